@@ -1,0 +1,3 @@
+from ds4py.cli import main
+
+main()
