@@ -1,0 +1,206 @@
+"""The `ds4py` command line: every command is a thin shell over a library function.
+
+Errors the user can act on (ds4py.errors.Ds4Error) become one line `error: ...` on stderr and a
+non-zero exit; no traceback reaches the terminal for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from ds4py.errors import Ds4Error
+
+app = typer.Typer(
+    help="ds4py: run DeepSeek-V4-Flash GGUF files (the ones antirez/ds4 runs) on one NVIDIA GPU or "
+         "the CPU, with the weights where your machine keeps them fastest.",
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+console = Console(stderr=True)
+out = Console()
+
+
+def main() -> None:
+    try:
+        app()
+    except Ds4Error as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+def byte_progress(description: str) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False)
+
+
+def gib(n: int) -> str:
+    """Bytes in the unit that keeps 1-4 significant digits before the point."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---- inspect -----------------------------------------------------------------------------------------
+
+SPECIAL_STRINGS = {
+    "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>",
+    "assistant": "<｜Assistant｜>", "think": "<think>", "end_think": "</think>", "dsml": "｜DSML｜",
+}
+
+
+def describe_model(path: str) -> dict:
+    """Everything `inspect` reports, as plain data."""
+    from ds4py.io import gguf
+    from ds4py.io.spec import (ROLE_ORDER, alias_summary, bytes_by, read_spec, tensor_role,
+                               validate)
+
+    with gguf.GGUFFile(path) as g:
+        spec = read_spec(g)
+        v = validate(g, spec)
+        tokens = g.metadata.get("tokenizer.ggml.tokens") or []
+        index = {s: i for i, s in enumerate(tokens)} if tokens else {}
+        by_role = bytes_by(g, lambda t: tensor_role(t.name))
+        aliased, unique = alias_summary(g)
+        report = {
+            "path": path,
+            "file_size": g.file_size,
+            "gguf_version": g.version,
+            "name": g.metadata.get("general.name"),
+            "architecture": {k: getattr(spec, k) for k in spec.__dataclass_fields__
+                             if k not in ("compress_ratios", "swiglu_clamp")},
+            "compress_ratios": list(spec.compress_ratios),
+            "tensor_count": len(g.tensors),
+            "bytes_described": sum(t.nbytes for t in g.tensors.values()),
+            "bytes_unique": unique,
+            "aliased_tensors": aliased,
+            "bytes_by_role": {r: by_role[r] for r in ROLE_ORDER if r in by_role},
+            "bytes_by_type": dict(sorted(bytes_by(g, lambda t: t.type_name).items(), key=lambda kv: -kv[1])),
+            "tokenizer": {"tokens": len(tokens), "merges": len(g.metadata.get("tokenizer.ggml.merges") or []),
+                          "special_ids": {k: index.get(s) for k, s in SPECIAL_STRINGS.items()}},
+            "loadable_by_ds4py": v.ok,
+            "problems": v.problems,
+            "ds4_compatible": not v.ds4_incompatible and all(i is not None for i in
+                                                             (index.get(s) for s in SPECIAL_STRINGS.values())),
+            "ds4_incompatible_because": v.ds4_incompatible,
+        }
+    return report
+
+
+@app.command()
+def inspect(model: Path = typer.Argument(..., help="GGUF file to describe."),
+            as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (for scripts).")):
+    """Describe a GGUF: architecture, tensors, bytes by role and type, tokenizer, ds4 compatibility.
+
+    Exits 2 if ds4py cannot load the file."""
+    report = describe_model(str(model))
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        print_report(report)
+    if not report["loadable_by_ds4py"]:
+        raise Ds4Error(f"{model}: {report['problems'][0]}" +
+                       (f" (and {len(report['problems']) - 1} more)" if len(report["problems"]) > 1 else ""))
+
+
+def print_report(r: dict) -> None:
+    a = r["architecture"]
+    out.print(f"[bold]{r['path']}[/]  ({r['name'] or 'unnamed'}, GGUF v{r['gguf_version']})")
+    out.print(f"  layers {a['n_layer']}, n_embd {a['n_embd']}, vocab {a['n_vocab']}, heads {a['n_head']}×{a['head_dim']} "
+              f"(rope {a['n_rot']}), q_lora {a['q_lora']}, out {a['n_group']}×{a['o_lora']}")
+    out.print(f"  experts {a['n_used']}/{a['n_exp']} (+{a['n_shared']} shared) × n_ff {a['n_ff']}, hash layers {a['n_hash']}, "
+              f"window {a['n_swa']}, indexer {a['n_ihead']}×{a['idx_dim']} top-{a['idx_topk']}, HC {a['n_hc']}")
+    out.print(f"  compress ratios {r['compress_ratios']}")
+    out.print(f"  {r['tensor_count']} tensors describing {gib(r['bytes_described'])}; file {gib(r['file_size'])}"
+              + (f" ({r['aliased_tensors']} tensors share data: {gib(r['bytes_unique'])} distinct)" if r["aliased_tensors"] else ""))
+    table = Table(title="bytes by role", show_header=True)
+    table.add_column("role")
+    table.add_column("bytes", justify="right")
+    for role, n in r["bytes_by_role"].items():
+        table.add_row(role, gib(n))
+    out.print(table)
+    out.print("  by type: " + ", ".join(f"{t} {gib(n)}" for t, n in r["bytes_by_type"].items()))
+    tok = r["tokenizer"]
+    out.print(f"  tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, specials "
+              + ", ".join(f"{k}={v}" for k, v in tok["special_ids"].items()))
+    if r["ds4_compatible"]:
+        out.print("  ds4-compatible: [green]yes[/]")
+    else:
+        out.print(f"  ds4-compatible: [yellow]no[/] ({'; '.join(r['ds4_incompatible_because']) or 'special tokens missing'})")
+    out.print(f"  loadable by ds4py: {'[green]yes[/]' if r['loadable_by_ds4py'] else '[red]no[/]'}")
+
+
+# ---- make-model ----------------------------------------------------------------------------------------
+
+@app.command("make-model")
+def make_model(
+    out_path: Path = typer.Argument(..., metavar="OUT", help="Where to write the GGUF."),
+    preset: str = typer.Option("tiny", help="tiny: small dims, ≤128 MB; flash: ds4's exact shapes (loads in antirez/ds4)."),
+    alias: str = typer.Option("none", help="none | experts | per-role: let tensors share blobs to shrink the file "
+                                           "(flash: 86.7 GB / 9.9 GiB / 3.4 GiB)."),
+    seed: int = typer.Option(0, help="Random seed for the weights."),
+):
+    """Write a synthetic DeepSeek-V4-Flash GGUF with random, well-scaled weights and the real tokenizer."""
+    from ds4py import synth
+
+    if preset not in synth.PRESETS:
+        raise Ds4Error(f"unknown preset {preset!r}; choose one of {', '.join(synth.PRESETS)}")
+    if alias not in synth.ALIAS_MODES:
+        raise Ds4Error(f"unknown alias mode {alias!r}; choose one of {', '.join(synth.ALIAS_MODES)}")
+    planned, blob_sizes = synth.plan_tensors(synth.preset_spec(preset), alias)
+    need = sum(blob_sizes.values())
+    free = _free_disk(out_path)
+    if free is not None and need > free:
+        raise Ds4Error(f"{out_path}: needs {gib(need)} but only {gib(free)} free on that filesystem; "
+                       f"use --alias experts or per-role, or another directory")
+    summary = _build_with_progress(synth, str(out_path), preset, alias, seed)
+    console.print(f"wrote {summary['path']}: {summary['tensors']} tensors, {gib(summary['bytes_described'])} described, "
+                  f"file {gib(summary['file_size'])} ({summary['blobs']} distinct blobs)")
+
+
+def _free_disk(path: Path):
+    try:
+        st = os.statvfs(path.resolve().parent)
+        return st.f_bavail * st.f_frsize
+    except OSError as e:
+        raise Ds4Error(f"{path}: cannot write there ({e.strerror})") from None
+
+
+def _build_with_progress(synth, path: str, preset: str, alias: str, seed: int) -> dict:
+    with byte_progress("") as bar:
+        task = bar.add_task(f"building {preset}", total=None)
+
+        def progress(total_bytes, advance):
+            bar.update(task, total=total_bytes, advance=advance)
+        try:
+            return synth.build_model(path, preset, alias, seed, progress=progress)
+        except OSError as e:
+            raise Ds4Error(f"{path}: write failed ({e.strerror})") from None
+
+
+def default_model_path() -> Path:
+    """The embedded default: the tiny synthetic model, built into the user's cache on first use."""
+    from ds4py import synth
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ds4py"
+    path = cache / "tiny-seed0.gguf"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        console.print(f"no model given: building the embedded default (tiny synthetic DS4) into {path}")
+        _build_with_progress(synth, str(path), "tiny", "none", 0)
+    return path
+
+
+if __name__ == "__main__":
+    main()
