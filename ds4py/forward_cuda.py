@@ -1,0 +1,415 @@
+"""The DS4 forward on an NVIDIA GPU: device state, one decode step as a captured CUDA graph.
+
+The decode step is the sequence of ds4-model.md §6 written as kernel launches on one stream. Every
+per-token value (the token id, the position) lives in a device buffer, so the whole step is
+captured once and replayed per token. When routed experts come through an expert cache (page-cache
+and streaming sources) the step is cut at each router: the host reads the 6 selected ids, the
+source makes those experts resident, and the next piece of the graph runs.
+
+The engine never learns where weight bytes live: it asks the weight source for (arena, offset)
+pairs and for the byte offsets of the selected experts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ds4py.io.gguf import GGML_F16, GGML_Q8_0
+from ds4py.kernels import compat  # noqa: F401
+from ds4py.kernels import cuda_ops as ops
+from ds4py.kernels import cuda as qk
+from ds4py.kernels.graph import CapturedGraph
+from numba import cuda
+
+BLOCK = ops.BLOCK
+
+
+def rope_freqs(spec, compressed: bool) -> np.ndarray:
+    """Per pair k the angle per position (θ = pos·freq[k]); YaRN blend on compressed layers
+    (ds4-model.md §6.7), computed in float64 and stored as f32."""
+    half = spec.n_rot // 2
+    k = np.arange(half, dtype=np.float64)
+    if not compressed:
+        return (spec.rope_freq_base ** (-2.0 * k / spec.n_rot)).astype(np.float32)
+    base = spec.compress_rope_freq_base
+    freq = base ** (-2.0 * k / spec.n_rot)
+
+    def corr(beta):
+        return spec.n_rot * math.log(spec.rope_orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0, math.floor(corr(spec.yarn_beta_fast)))
+    high = min(spec.n_rot - 1, math.ceil(corr(spec.yarn_beta_slow)))
+    ramp = 1.0 - np.clip((k - low) / max(0.001, high - low), 0.0, 1.0)
+    return (freq / spec.rope_scale_factor * (1 - ramp) + freq * ramp).astype(np.float32)
+
+
+class LayerState:
+    """KV state of one layer on the device: raw ring, compressor lanes, compressed rows."""
+
+    def __init__(self, spec, il: int, n_ctx: int, raw_cap: int):
+        self.ratio = r = spec.ratio(il)
+        self.raw = cuda.device_array((raw_cap, spec.head_dim), np.float32)
+        self.comp = self.kv_state = self.score_state = None
+        self.icomp = self.ikv_state = self.iscore_state = None
+        if r:
+            coff = 2 if r == 4 else 1
+            self.comp = cuda.device_array((n_ctx // r + 2, spec.head_dim), np.float32)
+            self.kv_state = cuda.device_array((coff * r, coff * spec.head_dim), np.float32)
+            self.score_state = cuda.device_array((coff * r, coff * spec.head_dim), np.float32)
+        if r == 4:
+            self.icomp = cuda.device_array((n_ctx // 4 + 2, spec.idx_dim), np.float32)
+            self.ikv_state = cuda.device_array((8, 2 * spec.idx_dim), np.float32)
+            self.iscore_state = cuda.device_array((8, 2 * spec.idx_dim), np.float32)
+
+    def arrays(self):
+        return [a for a in (self.raw, self.comp, self.kv_state, self.score_state, self.icomp,
+                            self.ikv_state, self.iscore_state) if a is not None]
+
+    def reset(self, stream) -> None:
+        for a in self.arrays():
+            fill = ops.NEG_INF if a is self.score_state or a is self.iscore_state else 0.0
+            fill_device(a, fill, stream)
+
+
+def fill_device(array, value, stream) -> None:
+    host = np.full(array.shape, value, dtype=array.dtype)
+    array.copy_to_device(host, stream=stream)
+
+
+class Scratch:
+    """Every activation buffer of one decode step, allocated once (graphs bake addresses in)."""
+
+    def __init__(self, spec, max_rows: int):
+        f32, i8, i32 = np.float32, np.int8, np.int32
+        d = cuda.device_array
+        s = spec
+        q_dim = s.n_head * s.head_dim
+        self.state = d((s.n_hc, s.n_embd), f32)
+        self.mix = d(s.hc_mix, f32)
+        self.post = d(s.n_hc, f32)
+        self.comb = d(s.n_hc * s.n_hc, f32)
+        self.x, self.xq, self.xd = d(s.n_embd, f32), d(s.n_embd, i8), d(s.n_embd // 32, f32)
+        self.xk_q, self.xk_d, self.xk_bsums = d(s.n_embd, i8), d(s.n_embd // 256, f32), d(s.n_embd // 16, i32)
+        self.qr = d(s.q_lora, f32)
+        self.qrn, self.qrn_q, self.qrn_d = d(s.q_lora, f32), d(s.q_lora, i8), d(s.q_lora // 32, f32)
+        self.q = d(q_dim, f32)
+        self.kv = d(s.head_dim, f32)
+        self.ckv, self.csc = d(2 * s.head_dim, f32), d(2 * s.head_dim, f32)
+        self.ikv, self.isc = d(2 * s.idx_dim, f32), d(2 * s.idx_dim, f32)
+        self.iq = d(s.n_ihead * s.idx_dim, f32)
+        self.head_w = d(s.n_ihead, f32)
+        self.scores = d(max_rows, f32)
+        self.selected = d(s.idx_topk, i32)
+        self.n_selected = d(1, i32)
+        self.attn = d(q_dim, f32)
+        self.attn_q, self.attn_d = d(q_dim, i8), d(q_dim // 32, f32)
+        self.low = d(s.n_group * s.o_lora, f32)
+        self.low_q, self.low_d = d(s.n_group * s.o_lora, i8), d(s.n_group * s.o_lora // 32, f32)
+        self.f_attn = d(s.n_embd, f32)
+        self.zeros = cuda.to_device(np.zeros(s.n_embd, f32))
+        self.router = d(s.n_exp, f32)
+        self.expert_ids = d(s.n_used, i32)
+        self.route_w = d(s.n_used, f32)
+        self.slot_offsets = d((s.n_used, 3), np.int64)
+        self.moe_out = d(s.n_embd, f32)
+        self.sh_gate, self.sh_up = d(s.n_ff, f32), d(s.n_ff, f32)
+        self.sh_mid, self.sh_q, self.sh_d = d(s.n_ff, f32), d(s.n_ff, i8), d(s.n_ff // 32, f32)
+        self.sh_out = d(s.n_embd, f32)
+        self.logits = d(s.n_vocab, f32)
+        self.next_token = d(1, i32)
+        self.pos = cuda.to_device(np.zeros(1, i32))
+        self.token = cuda.to_device(np.zeros(1, i32))
+        self.moe_work = qk.MoeWorkspace(s.n_used, s.n_embd, s.n_ff) if hasattr(qk, "MoeWorkspace") else None
+
+
+class CudaEngine:
+    """prefill(tokens) / decode(token) on the GPU, with the same interface as the CPU engine."""
+
+    def __init__(self, model, source, n_ctx: int):
+        self.model, self.source, self.spec = model, source, model.spec
+        s = self.spec
+        self.n_ctx = n_ctx
+        self.stream = cuda.stream()
+        self.arena = source.arena
+        self.w16 = self.arena.view(np.float16)
+        self.w32 = self.arena.view(np.float32)
+        self.i32 = self.arena.view(np.int32)
+        self.freqs_dense = cuda.to_device(rope_freqs(s, False))
+        self.freqs_comp = cuda.to_device(rope_freqs(s, True))
+        self.layers = [LayerState(s, il, n_ctx, s.n_swa) for il in range(s.n_layer)]
+        self.buf = Scratch(s, n_ctx // 4 + 2)
+        self.expert_bases = [cuda.to_device(np.asarray(source.expert_bases(il), dtype=np.int64))
+                             if source.experts_resident else None for il in range(s.n_layer)]
+        self._n_past = 0
+        self._graphs = None
+        self.reset()
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def off(self, name: str) -> int:
+        """Byte offset of a dense tensor in the arena."""
+        return self.source.dense_offset(name)
+
+    def off16(self, name: str) -> int:
+        return self.off(name) // 2
+
+    def off32(self, name: str) -> int:
+        return self.off(name) // 4
+
+    def info(self, name: str):
+        return self.model.file.tensors[name]
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset(self.stream)
+        self._n_past = 0
+        self.stream.synchronize()
+
+    def snapshot(self):
+        self.stream.synchronize()
+        return self._n_past, [[a.copy_to_host() for a in layer.arrays()] for layer in self.layers]
+
+    def restore(self, snap) -> None:
+        n_past, arrays = snap
+        for layer, saved in zip(self.layers, arrays):
+            for a, host in zip(layer.arrays(), saved):
+                a.copy_to_device(host, stream=self.stream)
+        self._n_past = n_past
+        self.stream.synchronize()
+
+    # ---- one decode step as launches -------------------------------------------------------------
+
+    def _matvec(self, name: str, x_f32, xq, xd, out, x_offset: int = 0, rows=None, row0: int = 0):
+        """out = W[name] · x with ds4's numerics for W's type (Q8_0 on xq/xd, F16 on x_f32)."""
+        info = self.info(name)
+        k = info.ne[0]
+        n_rows = rows if rows is not None else info.ne[1]
+        off = self.off(name) + row0 * info.row_bytes
+        if info.ggml_type == GGML_Q8_0:
+            qk.matvec_q8_0(self.arena, off, n_rows, k, xq[x_offset:x_offset + k],
+                           xd[x_offset // 32:(x_offset + k) // 32], out, self.stream)
+        elif info.ggml_type == GGML_F16:
+            qk.matvec_f16(self.arena, off, n_rows, k, x_f32[x_offset:x_offset + k], out, self.stream)
+        else:
+            raise ValueError(f"{name}: no matvec for type {info.type_name}")
+
+    def _hc_pre(self, prefix: str, sub: str, norm_name: str):
+        s, b, st = self.spec, self.buf, self.stream
+        ops.hc_mix[s.hc_mix, BLOCK, st](b.state, self.w16, self.off16(f"{prefix}hc_{sub}_fn.weight"),
+                                        s.rms_eps, b.mix)
+        ops.hc_pre[1, BLOCK, st](b.state, b.mix, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
+                                 self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
+                                 s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
+
+    def _attention(self, il: int):
+        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+        p = f"blk.{il}."
+        ratio = layer.ratio
+        freqs = self.freqs_comp if ratio else self.freqs_dense
+        self._hc_pre(p, "attn", p + "attn_norm.weight")
+        self._matvec(p + "attn_q_a.weight", b.x, b.xq, b.xd, b.qr)
+        self._matvec(p + "attn_kv.weight", b.x, b.xq, b.xd, b.kv)
+        ops.rmsnorm_q8[1, BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
+                                     b.qrn, b.qrn_q, b.qrn_d)
+        self._matvec(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q)
+        ops.q_heads[s.n_head, BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
+        ops.kv_finish[1, BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
+                                    b.pos, freqs, s.n_rot, layer.raw)
+        if ratio:
+            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.ckv, b.csc,
+                             layer.kv_state, layer.score_state, layer.comp, False)
+        if ratio == 4:
+            self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.ikv, b.isc,
+                             layer.ikv_state, layer.iscore_state, layer.icomp, True)
+            self._matvec(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq)
+            ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
+            self._matvec(p + "indexer.proj.weight", b.x, None, None, b.head_w)
+            max_rows = b.scores.shape[0]
+            ops.indexer_scores[(max_rows + 255) // 256, 256, st](
+                b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
+                s.n_ihead, s.idx_dim, b.scores)
+            ops.indexer_select[1, BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
+                                             b.selected, b.n_selected)
+        ops.attention[s.n_head, BLOCK, st](
+            b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, self.w32,
+            self.off32(p + "attn_sinks.weight"), b.pos, s.n_swa, ratio, ratio == 4, s.head_dim,
+            s.n_rot, freqs, b.attn)
+        q_dim = s.n_head * s.head_dim
+        ops.quantize_q8_0[(q_dim // 32 + 255) // 256, 256, st](b.attn, b.attn_q, b.attn_d)
+        group_in = q_dim // s.n_group
+        for g in range(s.n_group):
+            self._matvec(p + "attn_output_a.weight", None, b.attn_q, b.attn_d,
+                         b.low[g * s.o_lora:(g + 1) * s.o_lora], x_offset=g * group_in,
+                         rows=s.o_lora, row0=g * s.o_lora)
+        ops.quantize_q8_0[(s.n_group * s.o_lora // 32 + 255) // 256, 256, st](b.low, b.low_q, b.low_d)
+        self._matvec(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn)
+        ops.hc_post[16, BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
+
+    def _compressor(self, prefix, ratio, head_dim, freqs, kv_t, sc_t, kv_state, score_state, cache,
+                    indexer_lane):
+        s, b, st = self.spec, self.buf, self.stream
+        self._matvec(prefix + "_kv.weight", b.x, None, None, kv_t)
+        self._matvec(prefix + "_gate.weight", b.x, None, None, sc_t)
+        threads = 512 if head_dim > 256 else 256
+        ops.compressor_step[1, threads, st](
+            kv_t, sc_t, self.w16, self.off16(prefix + "_ape.weight"), self.w32,
+            self.off32(prefix + "_norm.weight"), s.rms_eps, b.pos, ratio, head_dim, s.n_rot, freqs,
+            indexer_lane, kv_state, score_state, cache)
+
+    def _ffn_route(self, il: int):
+        s, b, st = self.spec, self.buf, self.stream
+        p = f"blk.{il}."
+        self._hc_pre(p, "ffn", p + "ffn_norm.weight")
+        self._matvec(p + "ffn_gate_inp.weight", b.x, None, None, b.router)
+        is_hash = il < s.n_hash
+        has_bias = (p + "exp_probs_b.bias") in self.model.file.tensors
+        ops.route[1, BLOCK, st](
+            b.router, b.token, self.w32, self.off32(p + "exp_probs_b.bias") if has_bias else 0, has_bias,
+            self.i32, self.off(p + "ffn_gate_tid2eid.weight") // 4 if is_hash else 0, is_hash, s.n_used,
+            s.expert_weights_scale, self.expert_bases[il] if self.expert_bases[il] is not None
+            else self._zero_bases, b.expert_ids, b.route_w, b.slot_offsets)
+
+    def _ffn_experts(self, il: int):
+        s, b, st = self.spec, self.buf, self.stream
+        p = f"blk.{il}."
+        clamp = s.swiglu_clamp[il]
+        qk.quantize_q8_k(b.x, b.xk_q, b.xk_d, b.xk_bsums, st)
+        arena = self.arena if self.source.experts_resident else self.source.expert_arena
+        qk.moe_decode(arena, b.slot_offsets, b.route_w, b.xk_q, b.xk_d, b.xk_bsums, clamp,
+                      s.n_embd, s.n_ff, b.moe_work, b.moe_out, st)
+        self._matvec(p + "ffn_gate_shexp.weight", None, b.xq, b.xd, b.sh_gate)
+        self._matvec(p + "ffn_up_shexp.weight", None, b.xq, b.xd, b.sh_up)
+        ops.swiglu_q8[1, BLOCK, st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
+        self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
+        ops.hc_post[16, BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
+
+    def _head(self):
+        s, b, st = self.spec, self.buf, self.stream
+        ops.hc_mix[s.n_hc, BLOCK, st](b.state, self.w16, self.off16("output_hc_fn.weight"), s.rms_eps, b.mix)
+        ops.hc_head[1, BLOCK, st](b.state, b.mix, self.w32, self.off32("output_hc_scale.weight"),
+                                  self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
+                                  s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
+        self._matvec("output.weight", None, b.xq, b.xd, b.logits)
+        ops.argmax[1, BLOCK, st](b.logits, b.next_token)
+
+    def _segments(self):
+        """The decode step as a list of launch functions; the host runs `_between(il)` after
+        segment il when experts must be made resident first."""
+        s, b, st = self.spec, self.buf, self.stream
+        segments = []
+
+        def first():
+            ops.embed[16, BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
+                                     s.n_hc, b.state)
+            self._attention(0)
+            self._ffn_route(0)
+        segments.append(first)
+        for il in range(s.n_layer):
+            def middle(il=il):
+                self._ffn_experts(il)
+                if il + 1 < s.n_layer:
+                    self._attention(il + 1)
+                    self._ffn_route(il + 1)
+                else:
+                    self._head()
+            segments.append(middle)
+        return segments
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    @property
+    def _zero_bases(self):
+        if not hasattr(self, "_zero_bases_buf"):
+            self._zero_bases_buf = cuda.to_device(np.zeros(5, np.int64))
+        return self._zero_bases_buf
+
+    def _build_graphs(self):
+        """Warm every kernel up eagerly once (compiles, loads modules), then capture."""
+        segments = self._segments()
+        resident = self.source.experts_resident
+        if resident:
+            graph = CapturedGraph(self.stream)
+            with graph:
+                for seg in segments:
+                    seg()
+            self._graphs = [graph]
+        else:
+            self._graphs = []
+            for seg in segments:
+                graph = CapturedGraph(self.stream)
+                with graph:
+                    seg()
+                self._graphs.append(graph)
+
+    def _step(self, token: int, pos: int) -> None:
+        b = self.buf
+        if self._graphs is None:
+            self._warm_up(token, pos)
+            self._build_graphs()
+        b.token.copy_to_device(np.array([token], np.int32), stream=self.stream)
+        b.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
+        if self.source.experts_resident:
+            self._graphs[0].replay()
+        else:
+            for il, graph in enumerate(self._graphs):
+                graph.replay()
+                if il < self.spec.n_layer:
+                    self._fetch_experts(il)
+
+    def _warm_up(self, token: int, pos: int) -> None:
+        """Run one step eagerly so every kernel is compiled and loaded before capture (a capture
+        cannot contain module loads), then put the state back as it was."""
+        saved = self.snapshot()
+        self.buf.token.copy_to_device(np.array([token], np.int32), stream=self.stream)
+        self.buf.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
+        for il, seg in enumerate(self._segments()):
+            seg()
+            if not self.source.experts_resident and il < self.spec.n_layer:
+                self._fetch_experts(il)
+        self.restore(saved)
+
+    def _fetch_experts(self, il: int) -> None:
+        """Cache path: read the selected ids, make those experts resident, write their offsets."""
+        b = self.buf
+        ids = b.expert_ids.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        offsets = np.ascontiguousarray(self.source.fetch_experts(il, ids), dtype=np.int64)
+        b.slot_offsets.copy_to_device(offsets, stream=self.stream)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token at position n_past and return its logits (float32[n_vocab])."""
+        self._step(token, self._n_past)
+        self._n_past += 1
+        logits = self.buf.logits.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return logits
+
+    def decode_greedy(self, token: int) -> int:
+        """One token, returning only the argmax (4 bytes back instead of the logits)."""
+        self._step(token, self._n_past)
+        self._n_past += 1
+        out = self.buf.next_token.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return int(out[0])
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Evaluate a prompt; returns the logits of its last token."""
+        for token in tokens[:-1]:
+            self._step(int(token), self._n_past)
+            self._n_past += 1
+        return self.decode(int(tokens[-1]))
+
+    def timed_decode(self, token: int, n: int) -> float:
+        """n greedy steps from `token`, timed on the device; returns seconds."""
+        start = time.perf_counter()
+        for _ in range(n):
+            token = self.decode_greedy(token)
+        return time.perf_counter() - start

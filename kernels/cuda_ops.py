@@ -1,0 +1,833 @@
+"""Numba CUDA kernels for everything in the DS4 forward that is not a quantized matvec.
+
+Hyper-connections (mix, Sinkhorn, collapse, post), RMSNorm, RoPE with YaRN, the FP8/FP4/Hadamard
+QAT simulations, the KV compressors, the indexer, sink attention, the router and the small glue
+(embedding, SwiGLU, argmax). They follow ds4-model.md §5-§6 and mirror the CPU ops.
+
+Decode-graph rules (kernels-and-numba.md §5.6): every per-token value (position, token id) is read
+from a device buffer, never passed as a Python scalar, so a captured graph replays correctly for
+every token; kernels whose work depends on the position (compressor emission, number of visible
+rows) decide on the device. Reductions use shared memory only (no warp shuffles), so the same code
+also runs in the CUDA simulator on machines without a GPU.
+
+Weights arrive as typed views of a uint8 arena plus an element offset (`w16`/`w32` float16/float32
+views of the same memory), which keeps one allocation per weight source.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the first CUDA compile)
+from numba import cuda, float32, float64, int32
+
+BLOCK = 256              # threads for the single-block and per-head kernels
+MAX_ROWS = 4096          # attention rows one head can score in shared memory
+MAX_SCORE_ROWS = 16384   # indexer rows the top-k selection handles in one block
+NEG_INF = -1e30
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+# ---- block-level helpers (device functions) -----------------------------------------------------
+
+@cuda.jit(device=True)
+def block_sum_f64(value, scratch):
+    """Sum of one float64 per thread over the block. Every thread gets the total."""
+    tid = cuda.threadIdx.x
+    scratch[tid] = value
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            scratch[tid] += scratch[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = scratch[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_sum_f32(value, scratch):
+    tid = cuda.threadIdx.x
+    scratch[tid] = value
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            scratch[tid] += scratch[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = scratch[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_max_f32(value, scratch):
+    tid = cuda.threadIdx.x
+    scratch[tid] = value
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            scratch[tid] = max(scratch[tid], scratch[tid + stride])
+        cuda.syncthreads()
+        stride //= 2
+    total = scratch[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def rms_scale(sumsq, n, eps):
+    """ds4's RMSNorm scale: Σx² accumulated in double, then 1/sqrtf((float)(ss/n) + eps)."""
+    return float32(1.0) / math.sqrt(float32(sumsq / n) + float32(eps))
+
+
+@cuda.jit(device=True)
+def sigmoid(z):
+    return float32(1.0) / (float32(1.0) + math.exp(-z))
+
+
+@cuda.jit(device=True)
+def pow2(e):
+    return 2.0 ** e
+
+
+@cuda.jit(device=True)
+def ceil_log2(t):
+    """Smallest integer e with 2^e >= t (t > 0), exact at powers of two."""
+    e = int32(math.ceil(math.log2(t)))
+    while pow2(e - 1) >= t:
+        e -= 1
+    while pow2(e) < t:
+        e += 1
+    return e
+
+
+@cuda.jit(device=True)
+def fp8_e4m3_round(a):
+    """Nearest finite E4M3 magnitude to a >= 0 (a <= 448), ties to even mantissa."""
+    if a < 0.015625:                 # below 2^-6: subnormals, spacing 2^-9
+        spacing = 0.001953125
+    else:
+        e = ceil_log2(a)
+        if pow2(e) > a:
+            e -= 1                   # now 2^e <= a < 2^(e+1)
+        spacing = pow2(e - 3)
+    return float32(round(a / spacing) * spacing)
+
+
+@cuda.jit(device=True)
+def fp4_e2m1_round(a):
+    """Nearest of {0, .5, 1, 1.5, 2, 3, 4, 6} to a in [0, 6], ties to the even grid index."""
+    if a <= 0.25:
+        return float32(0.0)
+    if a < 0.75:
+        return float32(0.5)
+    if a <= 1.25:
+        return float32(1.0)
+    if a < 1.75:
+        return float32(1.5)
+    if a <= 2.5:
+        return float32(2.0)
+    if a < 3.5:
+        return float32(3.0)
+    if a <= 5.0:
+        return float32(4.0)
+    return float32(6.0)
+
+
+@cuda.jit(device=True)
+def f16_round(x):
+    return float32(np.float16(x))
+
+
+@cuda.jit(device=True)
+def quantize_q8_0_block_values(vals, base, q_out, d_out):
+    """Q8_0 activation quantization of vals[base:base+n] (n = blockDim, multiple of 32) in-block.
+
+    ds4 §5.1: per 32 values amax, d = amax/127 kept as f32, id = 1/d, q = rint(x·id) clamped."""
+    tid = cuda.threadIdx.x
+    n = vals.shape[0]
+    for block in range(tid, n // 32, cuda.blockDim.x):
+        amax = float32(0.0)
+        for i in range(32):
+            amax = max(amax, abs(vals[block * 32 + i]))
+        d = float32(amax / float32(127.0))
+        inv = float32(1.0) / d if d != 0 else float32(0.0)
+        for i in range(32):
+            q = round(vals[block * 32 + i] * inv)
+            q_out[base + block * 32 + i] = max(-128, min(127, int32(q)))
+        d_out[base // 32 + block] = d
+
+
+# ---- embedding and hyper-connections --------------------------------------------------------------
+
+@cuda.jit
+def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
+    """state[h] = f16->f32(token_embd[token]) for every HC stream (§6.1)."""
+    token = token_buf[0]
+    for i in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
+        value = float32(w16[embd_off + token * n_embd + i])
+        for h in range(n_hc):
+            state[h, i] = value
+
+
+@cuda.jit
+def hc_mix(state, w16, fn_off, eps, mix_out):
+    """mix[row] = fn[row] · (flat · rsqrt(mean(flat²) + eps)); one block per mixer row (§6.2)."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n_hc, n_embd = state.shape
+    n = n_hc * n_embd
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    sumsq = float64(0.0)
+    dot = float32(0.0)
+    base = fn_off + row * n
+    for i in range(tid, n, cuda.blockDim.x):
+        v = state[i // n_embd, i % n_embd]
+        sumsq += float64(v) * float64(v)
+        dot += float32(w16[base + i]) * v
+    total_sq = block_sum_f64(sumsq, scratch64)
+    total_dot = block_sum_f32(dot, scratch32)
+    if tid == 0:
+        mix_out[row] = total_dot * rms_scale(total_sq, n, eps)
+
+
+@cuda.jit(device=True)
+def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, comb):
+    """pre/post gates and the doubly-normalised comb matrix from the 24 mixer values (thread 0)."""
+    s_pre = w32[scale_off]
+    s_post = w32[scale_off + 1]
+    s_comb = w32[scale_off + 2]
+    for i in range(n_hc):
+        pre[i] = sigmoid(mix[i] * s_pre + w32[base_off + i]) + float32(eps)
+        post[i] = float32(2.0) * sigmoid(mix[n_hc + i] * s_post + w32[base_off + n_hc + i])
+    for i in range(n_hc):
+        row_max = float32(NEG_INF)
+        for j in range(n_hc):
+            k = 2 * n_hc + i * n_hc + j
+            comb[i * n_hc + j] = mix[k] * s_comb + w32[base_off + k]
+            row_max = max(row_max, comb[i * n_hc + j])
+        row_sum = float32(0.0)
+        for j in range(n_hc):
+            comb[i * n_hc + j] = math.exp(comb[i * n_hc + j] - row_max)
+            row_sum += comb[i * n_hc + j]
+        for j in range(n_hc):
+            comb[i * n_hc + j] = comb[i * n_hc + j] / row_sum + float32(eps)
+    for it in range(n_iter):
+        if it > 0:
+            for i in range(n_hc):
+                row_sum = float32(0.0)
+                for j in range(n_hc):
+                    row_sum += comb[i * n_hc + j]
+                for j in range(n_hc):
+                    comb[i * n_hc + j] /= row_sum + float32(eps)
+        for j in range(n_hc):
+            col_sum = float32(0.0)
+            for i in range(n_hc):
+                col_sum += comb[i * n_hc + j]
+            for i in range(n_hc):
+                comb[i * n_hc + j] /= col_sum + float32(eps)
+
+
+@cuda.jit
+def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
+           post_out, comb_out, x_out, xq, xd):
+    """HC reduce for one sublayer (single block): Sinkhorn split, y = Σ pre·X, x = RMSNorm(y)·w,
+    and x quantized to Q8_0 for the projections that read it."""
+    tid = cuda.threadIdx.x
+    n_hc, n_embd = state.shape
+    pre = cuda.shared.array(16, float32)
+    post = cuda.shared.array(16, float32)
+    comb = cuda.shared.array(256, float32)
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    if tid == 0:
+        sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, pre, post, comb)
+        for i in range(n_hc):
+            post_out[i] = post[i]
+        for i in range(n_hc * n_hc):
+            comb_out[i] = comb[i]
+    cuda.syncthreads()
+    sumsq = float64(0.0)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        y = float32(0.0)
+        for h in range(n_hc):
+            y += pre[h] * state[h, i]
+        x_out[i] = y
+        sumsq += float64(y) * float64(y)
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), n_embd, rms_eps)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        x_out[i] = x_out[i] * scale * w32[norm_off + i]
+    cuda.syncthreads()
+    quantize_q8_0_block_values(x_out, 0, xq, xd)
+
+
+@cuda.jit
+def hc_post(state, f_a, f_b, post, comb):
+    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3); f_b may be a zero vector."""
+    n_hc, n_embd = state.shape
+    old = cuda.local.array(16, float32)
+    for d in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
+        f = f_a[d] + f_b[d]
+        for i in range(n_hc):
+            old[i] = state[i, d]
+        for j in range(n_hc):
+            acc = post[j] * f
+            for i in range(n_hc):
+                acc += comb[i * n_hc + j] * old[i]
+            state[j, d] = acc
+
+
+@cuda.jit
+def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
+    """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
+    z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec."""
+    tid = cuda.threadIdx.x
+    n_hc, n_embd = state.shape
+    gate = cuda.shared.array(16, float32)
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    if tid < n_hc:
+        gate[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
+    cuda.syncthreads()
+    sumsq = float64(0.0)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        e = float32(0.0)
+        for h in range(n_hc):
+            e += gate[h] * state[h, i]
+        x_out[i] = e
+        sumsq += float64(e) * float64(e)
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), n_embd, rms_eps)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        x_out[i] = x_out[i] * scale * w32[norm_off + i]
+    cuda.syncthreads()
+    quantize_q8_0_block_values(x_out, 0, xq, xd)
+
+
+@cuda.jit
+def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
+    """x_out = RMSNorm(x)·w, plus its Q8_0 quantization (single block)."""
+    tid = cuda.threadIdx.x
+    n = x.shape[0]
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    sumsq = float64(0.0)
+    for i in range(tid, n, cuda.blockDim.x):
+        sumsq += float64(x[i]) * float64(x[i])
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), n, eps)
+    for i in range(tid, n, cuda.blockDim.x):
+        x_out[i] = x[i] * scale * w32[norm_off + i]
+    cuda.syncthreads()
+    quantize_q8_0_block_values(x_out, 0, xq, xd)
+
+
+# ---- RoPE and the QAT simulations ------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def rope_tail(vec, base, n_nope, n_rot, pos, freqs, inverse):
+    """Rotate the interleaved tail pairs of vec[base : base+n_nope+n_rot] by pos·freqs[k] (§6.7).
+    Called by all threads of a block; each thread takes pairs k = tid, tid+blockDim, ..."""
+    for k in range(cuda.threadIdx.x, n_rot // 2, cuda.blockDim.x):
+        theta = float32(pos) * freqs[k]
+        c = math.cos(theta)
+        s = math.sin(theta)
+        if inverse:
+            s = -s
+        i = base + n_nope + 2 * k
+        x0 = vec[i]
+        x1 = vec[i + 1]
+        vec[i] = x0 * c - x1 * s
+        vec[i + 1] = x0 * s + x1 * c
+
+
+@cuda.jit(device=True)
+def fp8_sim_blocks(vec, base, n, scratch32):
+    """FP8 E4M3 simulation of vec[base:base+n] in 64-value blocks (§6.9). All block threads call."""
+    tid = cuda.threadIdx.x
+    for blk in range(n // 64):
+        v = abs(vec[base + blk * 64 + tid]) if tid < 64 else float32(0.0)
+        amax = max(block_max_f32(v, scratch32), float32(1e-4))
+        scale = pow2(ceil_log2(amax / FP8_MAX))
+        if tid < 64:
+            i = base + blk * 64 + tid
+            x = min(max(vec[i] / scale, -FP8_MAX), FP8_MAX)
+            r = fp8_e4m3_round(abs(x))
+            vec[i] = float32((r if x >= 0 else -r) * scale)
+        cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def hadamard_fp4(vec, base, n, scratch32):
+    """Indexer QAT: unnormalised Walsh-Hadamard butterfly (strides 1..n/2), × 1/sqrt(n), then the
+    FP4 E2M1 simulation in 32-value blocks (§6.9). All block threads call; n ≤ blockDim."""
+    tid = cuda.threadIdx.x
+    h = 1
+    while h < n:
+        if tid < n // 2:
+            pair = tid // h
+            i = base + pair * 2 * h + tid % h
+            a = vec[i]
+            b = vec[i + h]
+            vec[i] = a + b
+            vec[i + h] = a - b
+        cuda.syncthreads()
+        h *= 2
+    if tid < n:
+        vec[base + tid] = vec[base + tid] * float32(1.0 / math.sqrt(n))
+    cuda.syncthreads()
+    for blk in range(n // 32):
+        v = abs(vec[base + blk * 32 + tid]) if tid < 32 else float32(0.0)
+        amax = max(block_max_f32(v, scratch32), float32(7.052966104933725e-38))
+        scale = pow2(ceil_log2(amax / FP4_MAX))
+        if tid < 32:
+            i = base + blk * 32 + tid
+            x = min(max(vec[i] / scale, -FP4_MAX), FP4_MAX)
+            r = fp4_e2m1_round(abs(x))
+            vec[i] = float32((r if x >= 0 else -r) * scale)
+        cuda.syncthreads()
+
+
+@cuda.jit
+def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
+    """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
+    pushed into the raw ring at pos mod capacity. Single block."""
+    tid = cuda.threadIdx.x
+    n = kv.shape[0]
+    pos = pos_buf[0]
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    sumsq = float64(0.0)
+    for i in range(tid, n, cuda.blockDim.x):
+        sumsq += float64(kv[i]) * float64(kv[i])
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), n, eps)
+    for i in range(tid, n, cuda.blockDim.x):
+        kv[i] = kv[i] * scale * w32[norm_off + i]
+    cuda.syncthreads()
+    rope_tail(kv, 0, n - n_rot, n_rot, pos, freqs, False)
+    cuda.syncthreads()
+    fp8_sim_blocks(kv, 0, n - n_rot, scratch32)
+    row = pos % raw_cache.shape[0]
+    for i in range(tid, n, cuda.blockDim.x):
+        raw_cache[row, i] = f16_round(kv[i])
+
+
+@cuda.jit
+def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
+    """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). One block per head."""
+    head = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    base = head * head_dim
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    sumsq = float64(0.0)
+    for i in range(tid, head_dim, cuda.blockDim.x):
+        sumsq += float64(q[base + i]) * float64(q[base + i])
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), head_dim, eps)
+    for i in range(tid, head_dim, cuda.blockDim.x):
+        q[base + i] = q[base + i] * scale
+    cuda.syncthreads()
+    rope_tail(q, base, head_dim - n_rot, n_rot, pos_buf[0], freqs, False)
+
+
+# ---- compressors (§6.8) -----------------------------------------------------------------------------
+
+@cuda.jit
+def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio, head_dim,
+                    n_rot, freqs, indexer_lane, kv_state, score_state, cache):
+    """One token into a compressor lane; emits a pooled row every `ratio` tokens. Single block
+    with blockDim >= head_dim. The attention lane ends with FP8 on the nope dims, the indexer lane
+    with Hadamard + FP4 on the whole row; both round the row to f16 before caching it."""
+    tid = cuda.threadIdx.x
+    pos = pos_buf[0]
+    coff = 2 if ratio == 4 else 1
+    width = coff * head_dim
+    row = 4 + pos % 4 if ratio == 4 else pos % ratio
+    phase = pos % ratio
+    for j in range(tid, width, cuda.blockDim.x):
+        kv_state[row, j] = kv_t[j]
+        score_state[row, j] = sc_t[j] + float32(w16[ape_off + phase * width + j])
+    cuda.syncthreads()
+    if (pos + 1) % ratio != 0:
+        return
+    pooled = cuda.shared.array(512, float32)
+    scratch64 = cuda.shared.array(BLOCK * 2, float64)
+    scratch32 = cuda.shared.array(BLOCK * 2, float32)
+    if tid < head_dim:
+        best = float32(NEG_INF)
+        if ratio == 4:
+            for r in range(8):
+                col = tid if r < 4 else head_dim + tid
+                best = max(best, score_state[r, col])
+        else:
+            for r in range(ratio):
+                best = max(best, score_state[r, tid])
+        total = float32(0.0)
+        acc = float32(0.0)
+        if ratio == 4:
+            for r in range(8):
+                col = tid if r < 4 else head_dim + tid
+                e = math.exp(score_state[r, col] - best)
+                total += e
+                acc += e * kv_state[r, col]
+        else:
+            for r in range(ratio):
+                e = math.exp(score_state[r, tid] - best)
+                total += e
+                acc += e * kv_state[r, tid]
+        pooled[tid] = acc / total if best > -5e29 else float32(0.0)
+    cuda.syncthreads()
+    sumsq = float64(0.0)
+    if tid < head_dim:
+        sumsq = float64(pooled[tid]) * float64(pooled[tid])
+    scale = rms_scale(block_sum_f64(sumsq, scratch64), head_dim, eps)
+    if tid < head_dim:
+        pooled[tid] = pooled[tid] * scale * w32[norm_off + tid]
+    cuda.syncthreads()
+    rope_tail(pooled, 0, head_dim - n_rot, n_rot, pos + 1 - ratio, freqs, False)
+    cuda.syncthreads()
+    if indexer_lane:
+        hadamard_fp4(pooled, 0, head_dim, scratch32)
+    else:
+        fp8_sim_blocks(pooled, 0, head_dim - n_rot, scratch32)
+    out_row = (pos + 1) // ratio - 1
+    if tid < head_dim:
+        cache[out_row, tid] = f16_round(pooled[tid])
+    cuda.syncthreads()
+    if ratio == 4:                     # the current window becomes the previous one
+        for j in range(tid, width, cuda.blockDim.x):
+            for r in range(4):
+                kv_state[r, j] = kv_state[4 + r, j]
+                score_state[r, j] = score_state[4 + r, j]
+
+
+# ---- indexer (§6.10) ---------------------------------------------------------------------------------
+
+@cuda.jit
+def indexer_q(iq, idx_dim, n_rot, pos_buf, freqs):
+    """Indexer query heads: RoPE on the tail, then Hadamard + FP4. One block per head."""
+    head = cuda.blockIdx.x
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    rope_tail(iq, head * idx_dim, idx_dim - n_rot, n_rot, pos_buf[0], freqs, False)
+    cuda.syncthreads()
+    hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
+
+
+@cuda.jit
+def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores):
+    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h) for every emitted indexer row c.
+    One thread per row (grid-stride); rows beyond the current count are left alone."""
+    n_rows = (pos_buf[0] + 1) // 4
+    for c in range(cuda.grid(1), n_rows, cuda.gridsize(1)):
+        total = float32(0.0)
+        for h in range(n_ihead):
+            dot = float32(0.0)
+            for i in range(idx_dim):
+                dot += icache[c, i] * iq[h * idx_dim + i]
+            total += head_w[h] * weight_scale * max(dot, float32(0.0))
+        scores[c] = total
+
+
+@cuda.jit(device=True)
+def block_exclusive_scan(value, scratch):
+    """Exclusive prefix sum of one int32 per thread (Hillis-Steele in shared memory); also
+    returns the block total."""
+    tid = cuda.threadIdx.x
+    scratch[tid] = value
+    cuda.syncthreads()
+    offset = 1
+    while offset < cuda.blockDim.x:
+        add = scratch[tid - offset] if tid >= offset else 0
+        cuda.syncthreads()
+        scratch[tid] += add
+        cuda.syncthreads()
+        offset *= 2
+    inclusive = scratch[tid]
+    total = scratch[cuda.blockDim.x - 1]
+    cuda.syncthreads()
+    return inclusive - value, total
+
+
+@cuda.jit(device=True)
+def order_key(bits):
+    """Map float32 bits to a uint32 whose unsigned order is the float order."""
+    if bits & np.uint32(0x80000000):
+        return ~bits
+    return bits | np.uint32(0x80000000)
+
+
+@cuda.jit
+def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
+    """The top_k indexer rows by score (ties → lower index), written ascending into `selected`;
+    every row when there are at most top_k (§6.10). Single block: an 8-bit radix select finds
+    the k-th largest key, then a block scan compacts the winners in index order."""
+    tid = cuda.threadIdx.x
+    n_rows = (pos_buf[0] + 1) // 4
+    hist = cuda.shared.array(256, int32)
+    scan = cuda.shared.array(BLOCK, int32)
+    pick = cuda.shared.array(2, int32)
+    chunk = (n_rows + cuda.blockDim.x - 1) // cuda.blockDim.x
+    first = tid * chunk
+    last = min(first + chunk, n_rows)
+    if n_rows <= top_k:
+        for c in range(tid, n_rows, cuda.blockDim.x):
+            selected[c] = c
+        if tid == 0:
+            n_selected[0] = n_rows
+        return
+    prefix = np.uint32(0)
+    mask = np.uint32(0)
+    remaining = int32(top_k)
+    for shift in (24, 16, 8, 0):
+        hist[tid] = 0                      # BLOCK == 256 bins
+        cuda.syncthreads()
+        for c in range(first, last):
+            key = order_key(score_bits[c])
+            if key & mask == prefix:
+                cuda.atomic.add(hist, (key >> np.uint32(shift)) & np.uint32(255), 1)
+        cuda.syncthreads()
+        if tid == 0:
+            above = 0
+            digit = 255
+            while digit > 0 and above + hist[digit] < remaining:
+                above += hist[digit]
+                digit -= 1
+            pick[0] = digit
+            pick[1] = above
+        cuda.syncthreads()
+        prefix |= np.uint32(pick[0]) << np.uint32(shift)
+        mask |= np.uint32(255) << np.uint32(shift)
+        remaining -= pick[1]
+        cuda.syncthreads()
+    # `prefix` is the k-th largest key; `remaining` rows equal to it still get in, lowest first.
+    n_equal = 0
+    for c in range(first, last):
+        if order_key(score_bits[c]) == prefix:
+            n_equal += 1
+    equal_before, _ = block_exclusive_scan(n_equal, scan)
+    n_win = 0
+    equal_rank = equal_before
+    for c in range(first, last):
+        key = order_key(score_bits[c])
+        if key > prefix:
+            n_win += 1
+        elif key == prefix:
+            if equal_rank < remaining:
+                n_win += 1
+            equal_rank += 1
+    out_at, total = block_exclusive_scan(n_win, scan)
+    equal_rank = equal_before
+    for c in range(first, last):
+        key = order_key(score_bits[c])
+        win = key > prefix
+        if key == prefix:
+            win = equal_rank < remaining
+            equal_rank += 1
+        if win:
+            selected[out_at] = c
+            out_at += 1
+    if tid == 0:
+        n_selected[0] = total
+
+
+# ---- attention (§6.5, §6.6) ---------------------------------------------------------------------------
+
+@cuda.jit
+def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, pos_buf, n_swa,
+              ratio, use_selected, head_dim, n_rot, freqs, out):
+    """Sink attention for one head per block over the raw window and the visible compressed rows
+    (all of them, or the indexer's `selected` rows), then the inverse RoPE of the output tail."""
+    head = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    pos = pos_buf[0]
+    scores = cuda.shared.array(MAX_ROWS, float32)
+    q_sh = cuda.shared.array(512, float32)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    base = head * head_dim
+    for i in range(tid, head_dim, cuda.blockDim.x):
+        q_sh[i] = q[base + i]
+    cuda.syncthreads()
+    n_raw = min(pos + 1, n_swa)
+    first_raw = pos + 1 - n_raw
+    n_comp = (pos + 1) // ratio if ratio > 0 else 0
+    if use_selected:
+        n_comp = n_selected[0]
+    n_rows = n_raw + n_comp
+    inv_sqrt = float32(1.0 / math.sqrt(head_dim))
+    cap = raw_cache.shape[0]
+    local_max = float32(NEG_INF)
+    for r in range(tid, n_rows, cuda.blockDim.x):
+        dot = float32(0.0)
+        if r < n_raw:
+            row = (first_raw + r) % cap
+            for i in range(head_dim):
+                dot += q_sh[i] * raw_cache[row, i]
+        else:
+            row = selected[r - n_raw] if use_selected else r - n_raw
+            for i in range(head_dim):
+                dot += q_sh[i] * comp_cache[row, i]
+        s = dot * inv_sqrt
+        scores[r] = s
+        local_max = max(local_max, s)
+    sink = w32[sinks_off + head]
+    m = max(block_max_f32(local_max, scratch32), sink)
+    local_den = float32(0.0)
+    for r in range(tid, n_rows, cuda.blockDim.x):
+        e = math.exp(scores[r] - m)
+        scores[r] = e
+        local_den += e
+    den = block_sum_f32(local_den, scratch32) + math.exp(sink - m)
+    for i in range(tid, head_dim, cuda.blockDim.x):
+        acc = float32(0.0)
+        for r in range(n_rows):
+            p = scores[r]
+            if r < n_raw:
+                acc += p * raw_cache[(first_raw + r) % cap, i]
+            else:
+                row = selected[r - n_raw] if use_selected else r - n_raw
+                acc += p * comp_cache[row, i]
+        out[base + i] = acc / den
+    cuda.syncthreads()
+    rope_tail(out, base, head_dim - n_rot, n_rot, pos, freqs, True)
+
+
+# ---- router and FFN glue (§6.11) -----------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def softplus_sqrt(z):
+    if z > 20.0:
+        sp = z
+    elif z < -20.0:
+        sp = math.exp(z)
+    else:
+        sp = math.log1p(math.exp(z))
+    return math.sqrt(sp)
+
+
+@cuda.jit(device=True)
+def block_argmax(value, index, best_val, best_idx):
+    """(max value, its lowest index) over one (value, index) per thread; all threads get it."""
+    tid = cuda.threadIdx.x
+    best_val[tid] = value
+    best_idx[tid] = index
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            ov = best_val[tid + stride]
+            oi = best_idx[tid + stride]
+            if ov > best_val[tid] or (ov == best_val[tid] and oi < best_idx[tid]):
+                best_val[tid] = ov
+                best_idx[tid] = oi
+        cuda.syncthreads()
+        stride //= 2
+    result_val = best_val[0]
+    result_idx = best_idx[0]
+    cuda.syncthreads()
+    return result_val, result_idx
+
+
+@cuda.jit
+def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_used,
+          weight_scale, base_offsets, expert_ids, route_w, slot_offsets):
+    """Expert selection and weights (single block of BLOCK threads, n_exp <= 1024): hash layers
+    take tid2eid[token], the others the top-n_used of sqrt(softplus(l)) + bias (ties → lower
+    index); the weights use the unbiased probabilities, normalised (floor 2^-14) and scaled.
+    Also writes each selected expert's gate/up/down byte offsets for the MoE kernels:
+    base_offsets = (gate, up, down, gate/up expert stride, down expert stride)."""
+    n_exp = logits.shape[0]
+    tid = cuda.threadIdx.x
+    probs = cuda.shared.array(1024, float32)
+    keys = cuda.shared.array(1024, float32)
+    taken = cuda.shared.array(64, int32)
+    best_val = cuda.shared.array(BLOCK, float32)
+    best_idx = cuda.shared.array(BLOCK, int32)
+    for e in range(tid, n_exp, cuda.blockDim.x):
+        probs[e] = softplus_sqrt(logits[e])
+        keys[e] = probs[e] + (w32[bias_off + e] if has_bias else float32(0.0))
+    cuda.syncthreads()
+    if is_hash:
+        if tid < n_used:
+            taken[tid] = i32[hash_off + token_buf[0] * n_used + tid]
+    else:
+        for k in range(n_used):
+            mine = float32(-3.4e38)
+            mine_idx = int32(0x7FFFFFFF)
+            for e in range(tid, n_exp, cuda.blockDim.x):
+                if keys[e] > mine:
+                    mine = keys[e]
+                    mine_idx = e
+            _, winner = block_argmax(mine, mine_idx, best_val, best_idx)
+            if tid == 0:
+                taken[k] = winner
+                keys[winner] = float32(-3.4e38)
+            cuda.syncthreads()
+    cuda.syncthreads()
+    if tid == 0:
+        total = float32(0.0)
+        for k in range(n_used):
+            total += probs[taken[k]]
+        total = max(total, float32(6.103515625e-5))
+        for k in range(n_used):
+            e = taken[k]
+            expert_ids[k] = e
+            route_w[k] = probs[e] / total * float32(weight_scale)
+            slot_offsets[k, 0] = base_offsets[0] + e * base_offsets[3]
+            slot_offsets[k, 1] = base_offsets[1] + e * base_offsets[3]
+            slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[4]
+
+
+@cuda.jit
+def swiglu_q8(gate, up, clamp, mid, xq, xd):
+    """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0 (single block)."""
+    tid = cuda.threadIdx.x
+    n = gate.shape[0]
+    for i in range(tid, n, cuda.blockDim.x):
+        g = min(gate[i], float32(clamp))
+        u = min(max(up[i], float32(-clamp)), float32(clamp))
+        mid[i] = g * sigmoid(g) * u
+    cuda.syncthreads()
+    quantize_q8_0_block_values(mid, 0, xq, xd)
+
+
+@cuda.jit
+def quantize_q8_0(x, xq, xd):
+    """Q8_0 of a whole vector (one thread per 32-value block)."""
+    b = cuda.grid(1)
+    if b < x.shape[0] // 32:
+        amax = float32(0.0)
+        for i in range(32):
+            amax = max(amax, abs(x[b * 32 + i]))
+        d = float32(amax / float32(127.0))
+        inv = float32(1.0) / d if d != 0 else float32(0.0)
+        for i in range(32):
+            xq[b * 32 + i] = max(-128, min(127, int32(round(x[b * 32 + i] * inv))))
+        xd[b] = d
+
+
+@cuda.jit
+def argmax(logits, out_token):
+    """Greedy pick (first maximal index), single block of BLOCK threads."""
+    tid = cuda.threadIdx.x
+    best_val = cuda.shared.array(BLOCK, float32)
+    best_idx = cuda.shared.array(BLOCK, int32)
+    v = float32(-3.4e38)
+    idx = int32(0x7FFFFFFF)
+    for i in range(tid, logits.shape[0], cuda.blockDim.x):
+        if logits[i] > v:
+            v = logits[i]
+            idx = i
+    _, winner = block_argmax(v, idx, best_val, best_idx)
+    if tid == 0:
+        out_token[0] = winner
+
+
+@cuda.jit
+def advance(pos_buf, token_buf, next_token):
+    """End of a decode step: the sampled token becomes the next input, the position moves on."""
+    if cuda.grid(1) == 0:
+        token_buf[0] = next_token[0]
+        pos_buf[0] += 1
