@@ -202,5 +202,135 @@ def default_model_path() -> Path:
     return path
 
 
+# ---- probe ---------------------------------------------------------------------------------------
+
+from ds4py.options import WeightOptions, weight_options  # noqa: E402  (the probe section's own import)
+
+
+def probe_report(model_path, weights: WeightOptions) -> dict:
+    """Everything `probe` reports, as plain data (the JSON of `probe --json`).
+
+    Keys: machine {ram {total, available, memlock_limit}, gpu {via, driver, note, devices [{index,
+    name, total, free, pcie_gen, pcie_width}]}}; model {path, file_size, filesystem, direct_io,
+    direct_io_note, cached_bytes, bytes_by_role, distinct_bytes, dense_bytes, expert_bytes,
+    expert_slot_bytes, n_ctx, kv_bytes, scratch_bytes}; options [{option, value, source, env}]
+    (source: flag | env | default); notes [str]; decision {regime, forced, reasons, warnings,
+    vram_budget, ram_budget, arena_limit, expert_cache_slots, expert_cache_bytes, direct_io,
+    drop_pages, runner_up, alternatives [{regime, flag, verdict}]} or null with refusal: str.
+    All sizes are bytes."""
+    from dataclasses import asdict
+
+    from ds4py.io import machine
+    from ds4py.io.detect import Refusal, decide
+    from ds4py.io.spec import open_model
+
+    model = open_model(model_path)
+    try:
+        measured = machine.measure(model)
+        facts = measured.facts(model, weights.n_ctx)
+        report = {"machine": {k: v for k, v in measured.as_dict().items() if k != "model"},
+                  "model": {**measured.as_dict()["model"], "n_ctx": weights.n_ctx,
+                            "kv_bytes": facts.model.kv_bytes, "scratch_bytes": facts.model.scratch_bytes},
+                  "options": weights.table(), "notes": list(weights.notes), "decision": None, "refusal": None}
+        try:
+            d = decide(facts, weights.to_request())
+        except Refusal as e:
+            report["refusal"] = str(e)
+            return report
+        report["decision"] = {
+            "regime": d.regime, "forced": d.forced, "reasons": list(d.reasons), "warnings": list(d.warnings),
+            "vram_budget": d.vram_budget, "ram_budget": d.ram_budget, "arena_limit": d.arena_limit,
+            "expert_cache_slots": d.expert_cache_slots, "expert_cache_bytes": d.expert_cache_bytes,
+            "direct_io": d.direct_io, "drop_pages": d.drop_pages, "runner_up": d.runner_up,
+            "alternatives": [asdict(a) for a in d.alternatives]}
+        return report
+    finally:
+        model.close()
+
+
+REGIME_TITLES = {"device": "device-resident", "page-cache": "page-cache-resident", "stream": "O_DIRECT streaming",
+                 "host-mapped": "host-mapped", "cpu": "CPU"}
+
+
+@app.command()
+@weight_options
+def probe(model: Optional[Path] = typer.Option(None, "-m", "--model",
+                                               help="GGUF to plan for (default: the embedded tiny model)."),
+          as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (keys: see docs)."),
+          weights=None):
+    """Hardware and weight-residency report (not a run): where the weights would live, and why.
+
+    Nothing is loaded onto the GPU. Shows RAM, GPUs, VRAM and PCIe (NVML), the model's page-cache share and O_DIRECT support, bytes by role, KV at --ctx, each option with its origin (flag, env, default), and the decision: regime, deciding inequality, runner-up, and the flag forcing each other regime. Exits 3 if a forced regime cannot run."""
+    path = model if model is not None else default_model_path()
+    report = probe_report(str(path), weights)
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        print_probe(report)
+    if report["refusal"]:
+        from ds4py.errors import ResourceError
+        raise ResourceError(report["refusal"])
+
+
+def print_probe(r: dict) -> None:
+    ram, gpu, m = r["machine"]["ram"], r["machine"]["gpu"], r["model"]
+    out.print("[bold]ds4py probe[/]: hardware and weight-residency report (nothing loaded, nothing run)")
+    facts = Table(show_header=False, box=None, pad_edge=False)
+    facts.add_column(style="bold")
+    facts.add_column()
+    lock = "unlimited" if ram["memlock_limit"] is None else gib(ram["memlock_limit"])
+    facts.add_row("RAM", f"{gib(ram['total'])} total, {gib(ram['available'])} available (page-lock limit {lock})")
+    for g in gpu["devices"]:
+        link = f", PCIe gen{g['pcie_gen']} x{g['pcie_width']}" if g.get("pcie_gen") else ""
+        facts.add_row(f"GPU {g['index']}", f"{g['name']}: {gib(g['total'])} total, {gib(g['free'])} free{link}")
+    via = f"via {gpu['via']}" + (f", driver {gpu['driver']}" if gpu["driver"] else "")
+    facts.add_row("GPU probe", via + (f"; {gpu['note']}" if gpu["note"] else "") if gpu["devices"] else
+                  f"no GPU ({gpu['note'] or gpu['via']})")
+    facts.add_row("model", f"{m['path']} ({gib(m['file_size'])}, {m['filesystem']})")
+    facts.add_row("O_DIRECT", "yes" if m["direct_io"] else f"no ({m['direct_io_note']})")
+    share = m["cached_bytes"] / m["file_size"] if m["file_size"] else 0.0
+    facts.add_row("page cache", f"{share:.1%} of the file resident ({gib(m['cached_bytes'])})")
+    facts.add_row("weights", f"{gib(m['distinct_bytes'])} distinct: dense {gib(m['dense_bytes'])} + routed experts "
+                             f"{gib(m['expert_bytes'])}; one expert slot {gib(m['expert_slot_bytes'])}")
+    facts.add_row("KV", f"{gib(m['kv_bytes'])} at --ctx {m['n_ctx']}; scratch {gib(m['scratch_bytes'])}")
+    out.print(facts)
+
+    roles = Table(title="bytes by role (described; aliases counted each time)", show_header=True)
+    roles.add_column("role")
+    roles.add_column("bytes", justify="right")
+    for role, n in m["bytes_by_role"].items():
+        roles.add_row(role, gib(n))
+    out.print(roles)
+
+    opts = Table(title="options", show_header=True)
+    for col in ("option", "value", "from", "environment"):
+        opts.add_column(col)
+    for row in r["options"]:
+        style = "" if row["source"] == "default" else "bold"
+        opts.add_row(row["option"], row["value"], row["source"], row["env"], style=style)
+    out.print(opts)
+    for note in r["notes"]:
+        out.print(f"  note: {note}")
+
+    d = r["decision"]
+    if d is None:
+        out.print(f"[bold red]decision: refused[/]: {r['refusal']}")
+        return
+    how = " (forced)" if d["forced"] else ""
+    out.print(f"[bold green]decision: {REGIME_TITLES[d['regime']]}{how}[/]: {d['reasons'][0]}", soft_wrap=True)
+    for reason in d["reasons"][1:]:
+        out.print(f"  - {reason}", soft_wrap=True)
+    for warning in d["warnings"]:
+        out.print(f"  [yellow]warning[/]: {warning}", soft_wrap=True)
+    if d["runner_up"]:
+        out.print(f"  runner-up: {REGIME_TITLES[d['runner_up']]}")
+    alts = Table(title="other regimes", show_header=True)
+    for col in ("regime", "force with", "verdict"):
+        alts.add_column(col)
+    for a in d["alternatives"]:
+        alts.add_row(REGIME_TITLES[a["regime"]], a["flag"], a["verdict"])
+    out.print(alts)
+
+
 if __name__ == "__main__":
     main()
