@@ -1,0 +1,419 @@
+"""CPU kernels (Numba) with ds4's numerics: quantized activations, integer dots, f32 sums.
+
+Every weight arrives as raw GGUF bytes (uint8), exactly as it sits in the file: 2-D
+(rows, row_bytes) for a matrix, 3-D (n_exp, rows, row_bytes) for routed experts. Nothing needs
+more alignment than the file gives: every multi-byte field is assembled from bytes.
+
+The arithmetic follows ds4-model.md §5.1:
+  * Q8_0 weights   x activation quantized to Q8_0 blocks (32 values, f32 scale d = amax/127);
+  * IQ2_XXS, Q2_K, Q4_K weights x activation quantized to Q8_K (256 values, signed max,
+    iscale = -127/max, d = 1/iscale, per-16 sums);
+  * F16/F32 weights x the f32 activation, no quantization.
+Inside a block the dot product is an exact integer; across blocks it is summed in f32, in block
+order. Rows are independent, so matmul (many tokens) gives bit-identical rows to matvec.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from . import formats as F
+
+# f16 bit pattern -> f32 value for all 65536 patterns (exact, subnormals included).
+F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_GRID = np.ascontiguousarray(F.IQ2XXS_GRID_BYTES)      # uint8[256, 8]
+_KSIGNS = np.ascontiguousarray(F.KSIGNS_IQ2XS)         # uint8[128]
+
+_F32, _F16, _Q8_0, _Q2_K, _Q4_K, _IQ2_XXS = F.F32, F.F16, F.Q8_0, F.Q2_K, F.Q4_K, F.IQ2_XXS
+
+# Activation kinds (how ds4 prepares x for a weight type).
+_ACT_F32, _ACT_Q8_0, _ACT_Q8_K = 0, 1, 2
+
+
+# --------------------------------------------------------------------------------------------
+# Activation quantizers
+# --------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _quantize_q8_0_into(x, q, d):
+    """Q8_0 blocks of 32: d = amax/127 in f32, q = clamp(rint(x/d), -128, 127)."""
+    for b in range(x.shape[0] // 32):
+        amax = np.float32(0.0)
+        for i in range(32):
+            a = abs(x[32 * b + i])
+            if a > amax:
+                amax = a
+        db = amax / np.float32(127.0)
+        inv = np.float32(1.0) / db if db != np.float32(0.0) else np.float32(0.0)
+        d[b] = db
+        for i in range(32):
+            v = np.rint(x[32 * b + i] * inv)
+            v = min(max(v, np.float32(-128.0)), np.float32(127.0))
+            q[32 * b + i] = np.int8(v)
+
+
+@njit(cache=True)
+def _quantize_q8_k_into(x, q, d, bsums):
+    """Q8_K blocks of 256: signed max (first of the largest |x|), iscale = -127/max, d = 1/iscale."""
+    for b in range(x.shape[0] // 256):
+        base = 256 * b
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for i in range(256):
+            a = abs(x[base + i])
+            if a > amax:
+                amax = a
+                vmax = x[base + i]
+        if amax == np.float32(0.0):
+            d[b] = np.float32(0.0)
+            for i in range(256):
+                q[base + i] = 0
+            for j in range(16):
+                bsums[16 * b + j] = 0
+            continue
+        iscale = np.float32(-127.0) / vmax
+        for i in range(256):
+            v = np.rint(iscale * x[base + i])
+            v = min(max(v, np.float32(-128.0)), np.float32(127.0))
+            q[base + i] = np.int8(v)
+        for j in range(16):
+            s = 0
+            for i in range(16):
+                s += np.int32(q[base + 16 * j + i])
+            bsums[16 * b + j] = s
+        d[b] = np.float32(1.0) / iscale
+
+
+def quantize_q8_0(x):
+    """x: f32[K], K % 32 == 0 -> (q int8[K], d f32[K//32])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1 or x.shape[0] % 32:
+        raise ValueError("quantize_q8_0 needs a 1-D f32 vector whose length is a multiple of 32")
+    q = np.empty(x.shape[0], np.int8)
+    d = np.empty(x.shape[0] // 32, np.float32)
+    _quantize_q8_0_into(x, q, d)
+    return q, d
+
+
+def quantize_q8_k(x):
+    """x: f32[K], K % 256 == 0 -> (q int8[K], d f32[K//256], bsums int32[K//16])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1 or x.shape[0] % 256:
+        raise ValueError("quantize_q8_k needs a 1-D f32 vector whose length is a multiple of 256")
+    q = np.empty(x.shape[0], np.int8)
+    d = np.empty(x.shape[0] // 256, np.float32)
+    bsums = np.empty(x.shape[0] // 16, np.int32)
+    _quantize_q8_k_into(x, q, d, bsums)
+    return q, d, bsums
+
+
+# --------------------------------------------------------------------------------------------
+# Row dot products (one weight row against one prepared activation)
+# --------------------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _f16(row, pos, lut):
+    return lut[np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8)]
+
+
+@njit(inline="always")
+def _u32(row, pos):
+    return (np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8) | (np.int64(row[pos + 2]) << 16)
+            | (np.int64(row[pos + 3]) << 24))
+
+
+@njit(inline="always")
+def _dot_q8_0(row, xq, xd, lut):
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
+        base = 34 * b
+        wd = _f16(row, base, lut)
+        isum = 0
+        for i in range(32):
+            isum += np.int32(np.int8(row[base + 2 + i])) * np.int32(xq[32 * b + i])
+        acc += (wd * xd[b]) * np.float32(isum)
+    return acc
+
+
+@njit(inline="always")
+def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
+    sumf = np.float32(0.0)
+    for sb in range(xq.shape[0] // 256):
+        base = 66 * sb
+        dd = _f16(row, base, lut) * xd[sb]
+        bsum = 0
+        for ib in range(8):
+            o = base + 2 + 8 * ib
+            aux = _u32(row, o + 4)
+            ls = 2 * (aux >> 28) + 1
+            xo = 256 * sb + 32 * ib
+            sumi = 0
+            for l in range(4):
+                g = np.int64(row[o + l])
+                signs = np.int64(ksigns[(aux >> (7 * l)) & 127])
+                for j in range(8):
+                    v = np.int32(grid[g, j]) * np.int32(xq[xo + 8 * l + j])
+                    if (signs >> j) & 1:
+                        sumi -= v
+                    else:
+                        sumi += v
+            bsum += sumi * ls
+        sumf += dd * np.float32(bsum)
+    return np.float32(0.125) * sumf
+
+
+@njit(inline="always")
+def _dot_q2_k(row, xq, xd, xbs, lut):
+    sumf = np.float32(0.0)
+    for sb in range(xq.shape[0] // 256):
+        base = 84 * sb
+        d = _f16(row, base + 80, lut)
+        dmin = _f16(row, base + 82, lut)
+        summs = 0
+        for j in range(16):
+            summs += np.int32(xbs[16 * sb + j]) * np.int32(row[base + j] >> 4)
+        dall = xd[sb] * d
+        dmn = xd[sb] * dmin
+        isum = 0
+        sub = 0
+        for h in range(2):
+            for s in range(4):
+                for half in range(2):
+                    sc = np.int32(row[base + sub] & 15)
+                    sub += 1
+                    isuml = 0
+                    xo = 256 * sb + 128 * h + 32 * s + 16 * half
+                    qo = base + 16 + 32 * h + 16 * half
+                    for l in range(16):
+                        isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> (2 * s)) & 3)
+                    isum += sc * isuml
+        sumf += dall * np.float32(isum) - dmn * np.float32(summs)
+    return sumf
+
+
+@njit(inline="always")
+def _q4_k_scale_min(row, base, j):
+    """6-bit scale and min of sub-block j (0..7); the 12 scale bytes start at base + 4."""
+    s = base + 4
+    if j < 4:
+        sc = np.int32(row[s + j] & 63)
+        m = np.int32(row[s + j + 4] & 63)
+    else:
+        sc = np.int32((row[s + j + 4] & 15) | ((row[s + j - 4] >> 6) << 4))
+        m = np.int32((row[s + j + 4] >> 4) | ((row[s + j] >> 6) << 4))
+    return sc, m
+
+
+@njit(inline="always")
+def _dot_q4_k(row, xq, xd, xbs, lut):
+    sumf = np.float32(0.0)
+    for sb in range(xq.shape[0] // 256):
+        base = 144 * sb
+        d = _f16(row, base, lut)
+        dmin = _f16(row, base + 2, lut)
+        isum = 0
+        summs = 0
+        for j in range(8):
+            sc, m = _q4_k_scale_min(row, base, j)
+            summs += m * (np.int32(xbs[16 * sb + 2 * j]) + np.int32(xbs[16 * sb + 2 * j + 1]))
+            qo = base + 16 + 32 * (j // 2)
+            shift = 4 * (j % 2)
+            xo = 256 * sb + 32 * j
+            isuml = 0
+            for l in range(32):
+                isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> shift) & 15)
+            isum += sc * isuml
+        sumf += (xd[sb] * d) * np.float32(isum) - (xd[sb] * dmin) * np.float32(summs)
+    return sumf
+
+
+@njit(inline="always")
+def _dot_f16(row, x, lut):
+    acc = np.float32(0.0)
+    for i in range(x.shape[0]):
+        acc += _f16(row, 2 * i, lut) * x[i]
+    return acc
+
+
+@njit(inline="always")
+def _dot_row(wtype, row, xf, xq, xd, xbs, lut, grid, ksigns):
+    """One row of a quantized or F16 type against the activation prepared for that type."""
+    if wtype == _Q8_0:
+        return _dot_q8_0(row, xq, xd, lut)
+    elif wtype == _IQ2_XXS:
+        return _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns)
+    elif wtype == _Q2_K:
+        return _dot_q2_k(row, xq, xd, xbs, lut)
+    elif wtype == _Q4_K:
+        return _dot_q4_k(row, xq, xd, xbs, lut)
+    else:
+        return _dot_f16(row, xf, lut)
+
+
+@njit(inline="always")
+def _act_kind(wtype):
+    if wtype == _Q8_0:
+        return _ACT_Q8_0
+    if wtype == _IQ2_XXS or wtype == _Q2_K or wtype == _Q4_K:
+        return _ACT_Q8_K
+    return _ACT_F32
+
+
+@njit(inline="always")
+def _prepare(wtype, x, xq, xd, xbs):
+    """Quantize x the way ds4 does for weight type wtype (no-op for F16/F32)."""
+    kind = _act_kind(wtype)
+    if kind == _ACT_Q8_0:
+        _quantize_q8_0_into(x, xq, xd)
+    elif kind == _ACT_Q8_K:
+        _quantize_q8_k_into(x, xq, xd, xbs)
+
+
+# --------------------------------------------------------------------------------------------
+# matvec / matmul
+# --------------------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def _matmul_kernel(w, wtype, X, out, lut, grid, ksigns):
+    n_tok, K = X.shape
+    rows = w.shape[0]
+    xq = np.empty((n_tok, K), np.int8)
+    xd = np.empty((n_tok, K // 32), np.float32)
+    xbs = np.empty((n_tok, K // 16), np.int32)
+    for t in prange(n_tok):
+        _prepare(wtype, X[t], xq[t], xd[t], xbs[t])
+    # rows outer so that each weight row is read once and reused for every token
+    for r in prange(rows):
+        row = w[r]
+        for t in range(n_tok):
+            out[t, r] = _dot_row(wtype, row, X[t], xq[t], xd[t], xbs[t], lut, grid, ksigns)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_f32_kernel(w, X, out):
+    for r in prange(w.shape[0]):
+        for t in range(X.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(X.shape[1]):
+                acc += w[r, i] * X[t, i]
+            out[t, r] = acc
+
+
+def _check_weight(w, wtype, K):
+    if w.dtype != np.uint8 or w.ndim != 2:
+        raise TypeError("weights must be raw GGUF bytes: a 2-D uint8 array (rows, row_bytes)")
+    F.activation_kind(wtype)
+    if w.shape[1] != F.row_bytes(wtype, K):
+        raise ValueError(f"row of {w.shape[1]} bytes does not hold {K} {F.TYPE_NAMES[wtype]} weights")
+
+
+def matmul(w, ggml_type, X):
+    """w: uint8[rows, row_bytes]; X: f32[n_tok, K] -> f32[n_tok, rows].
+
+    Each token's activation is quantized on its own, so row t equals matvec(w, type, X[t]).
+    """
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2:
+        raise ValueError("X must be 2-D (n_tok, K)")
+    _check_weight(w, ggml_type, X.shape[1])
+    out = np.empty((X.shape[0], w.shape[0]), np.float32)
+    if ggml_type == F.F32:
+        # f32 weights: reinterpret the bytes (copy only when the file offset is not 4-aligned)
+        wf = w.view("<f4") if w.flags.c_contiguous else np.ascontiguousarray(w).view("<f4")
+        if not wf.flags.aligned:
+            wf = wf.copy()
+        _matmul_f32_kernel(wf, X, out)
+        return out
+    _matmul_kernel(w, np.int64(ggml_type), X, out, F16_TO_F32, _GRID, _KSIGNS)
+    return out
+
+
+def matvec(w, ggml_type, x):
+    """w: uint8[rows, row_bytes]; x: f32[K] -> f32[rows]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1:
+        raise ValueError("x must be 1-D")
+    return matmul(w, ggml_type, x[None, :])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Routed experts (ds4-model.md §6.11)
+# --------------------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _silu(z):
+    return z / (np.float32(1.0) + np.exp(-z))
+
+
+@njit(parallel=True, cache=True)
+def _moe_kernel(gate_w, up_w, down_w, gate_type, down_type, X, ids, route_w, clamp, out,
+                lut, grid, ksigns):
+    n_tok, n_embd = X.shape
+    n_used = ids.shape[1]
+    n_ff = gate_w.shape[1]
+    for t in range(n_tok):
+        x = X[t]
+        xq = np.empty(n_embd, np.int8)
+        xd = np.empty(n_embd // 32, np.float32)
+        xbs = np.empty(n_embd // 16, np.int32)
+        _prepare(gate_type, x, xq, xd, xbs)
+        mid = np.empty((n_used, n_ff), np.float32)
+        for k in range(n_used):
+            e = ids[t, k]
+            wk = route_w[t, k]
+            for r in prange(n_ff):
+                g = _dot_row(gate_type, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
+                u = _dot_row(gate_type, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
+                g = min(g, clamp)
+                u = min(max(u, -clamp), clamp)
+                mid[k, r] = _silu(g) * u * wk
+        acc = np.zeros(n_embd, np.float32)
+        mq = np.empty(n_ff, np.int8)
+        md = np.empty(n_ff // 32, np.float32)
+        mbs = np.empty(n_ff // 16, np.int32)
+        for k in range(n_used):
+            e = ids[t, k]
+            _prepare(down_type, mid[k], mq, md, mbs)
+            for r in prange(n_embd):
+                acc[r] += _dot_row(down_type, down_w[e, r], mid[k], mq, md, mbs, lut, grid, ksigns)
+        for r in range(n_embd):
+            out[t, r] = acc[r]
+
+
+def _check_experts(gate_w, up_w, down_w, gate_type, down_type, n_embd):
+    for name, w in (("gate", gate_w), ("up", up_w), ("down", down_w)):
+        if w.dtype != np.uint8 or w.ndim != 3:
+            raise TypeError(f"{name} experts must be raw GGUF bytes: uint8 (n_exp, rows, row_bytes)")
+    n_ff = gate_w.shape[1]
+    if up_w.shape != gate_w.shape or gate_w.shape[2] != F.row_bytes(gate_type, n_embd):
+        raise ValueError("gate/up expert shapes do not match (n_exp, n_ff, row_bytes(n_embd))")
+    if down_w.shape[1] != n_embd or down_w.shape[2] != F.row_bytes(down_type, n_ff):
+        raise ValueError("down expert shape does not match (n_exp, n_embd, row_bytes(n_ff))")
+
+
+def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w, clamp):
+    """Routed experts for n_tok tokens: X f32[n_tok, n_embd], expert_ids int32[n_tok, n_used],
+    route_w f32[n_tok, n_used] -> f32[n_tok, n_embd]; each row equals moe() of that token."""
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    ids = np.ascontiguousarray(expert_ids, dtype=np.int32)
+    rw = np.ascontiguousarray(route_w, dtype=np.float32)
+    _check_experts(gate_w, up_w, down_w, gate_type, down_type, X.shape[1])
+    if ids.shape != rw.shape or ids.shape[0] != X.shape[0]:
+        raise ValueError("expert_ids and route_w must both be (n_tok, n_used)")
+    if ids.size and (ids.min() < 0 or ids.max() >= gate_w.shape[0]):
+        raise ValueError("expert id out of range")
+    out = np.empty_like(X)
+    _moe_kernel(gate_w, up_w, down_w, np.int64(gate_type), np.int64(down_type), X, ids, rw,
+                np.float32(clamp), out, F16_TO_F32, _GRID, _KSIGNS)
+    return out
+
+
+def moe(gate_w, up_w, down_w, gate_type, down_type, x, expert_ids, route_w, clamp):
+    """ds4's routed MoE for one token (§6.11): x f32[n_embd] -> f32[n_embd].
+
+    xq = Q(x); for each slot k: g, u = W_gate[e].xq, W_up[e].xq; g = min(g, clamp);
+    u = clip(u, -clamp, clamp); mid = silu(g)*u*route_w[k]; out += W_down[e].Q(mid), in slot order.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return moe_batch(gate_w, up_w, down_w, gate_type, down_type, x[None, :],
+                     np.asarray(expert_ids, np.int32)[None, :],
+                     np.asarray(route_w, np.float32)[None, :], clamp)[0]

@@ -1,0 +1,1188 @@
+"""CUDA kernels (numba-cuda) with ds4's numerics, graph-ready, on raw GGUF weights.
+
+Weights are addressed as (arena, byte_offset): ``arena`` is a 1-D uint8 device array (the VRAM
+image of the model, or an expert-cache slab) and the offset is an int that stays constant per call
+site. Activations, outputs and scratch are device arrays the caller owns: the launch functions
+allocate nothing, never synchronise, and take per-token values (expert ids, route weights, expert
+addresses) from device buffers, so a decode step can be captured into a CUDA graph.
+
+Numerics (ds4-model.md §5.1): activations are quantized exactly like the CPU twins (bit-identical
+quantizers), every block dot product is an exact integer (dp4a), and the blocks of a row are summed
+in f32. Only the order of that f32 sum differs from the CPU twin (lanes accumulate strided blocks,
+then a fixed butterfly), so results agree to f32 rounding. The order is a pure function of
+(type, K, rows): the prefill matmuls run the same per-output arithmetic as the matvecs and return
+bit-identical rows, and the batched MoE returns bit-identical tokens to the decode MoE.
+
+Layout facts the kernels rely on (checked by the launch functions):
+  * Q8_0 and IQ2_XXS blocks (34 B, 66 B) are only 2-byte aligned: they are read as uint16 and
+    32-bit words are assembled from halves. Offsets and row sizes must be even.
+  * Q2_K, Q4_K and F16 rows are read as uint32: offsets and row sizes must be multiples of 4.
+"""
+
+from . import compat  # noqa: F401  (numpy>=2.5 shim, before numba.cuda compiles anything)
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint8, uint32, uint64
+from numba.cuda import libdevice
+
+from . import formats as F
+from .compat import cuda_available  # noqa: F401  (re-exported)
+from .cuda_intrinsics import dp4a, f16_bits_to_f32
+
+FULL_MASK = 0xFFFFFFFF
+WARP = 32
+
+# Array indices in the hot loops are cast to unsigned: numba then skips its negative-index
+# wraparound code (3-4 extra instructions per load).
+_ix = uint64
+
+_M8 = np.uint32(0xFF)
+_M16 = np.uint32(0xFFFF)
+_LOW2 = np.uint32(0x03030303)
+_LOW4 = np.uint32(0x0F0F0F0F)
+_ONES = np.uint32(0x01010101)
+_SPREAD4 = np.uint32(0x00204081)   # n * this puts bit k of a nibble at bit 8k
+
+
+# ============================================================================================
+# Warp helpers
+# ============================================================================================
+
+@cuda.jit(device=True, forceinline=True)
+def _sum_lanes_of_8_i32(v):
+    """Integer sum over the 8 lanes that share a super-block (lane bits 0..2)."""
+    v = int32(v + cuda.shfl_xor_sync(FULL_MASK, v, 1))
+    v = int32(v + cuda.shfl_xor_sync(FULL_MASK, v, 2))
+    v = int32(v + cuda.shfl_xor_sync(FULL_MASK, v, 4))
+    return v
+
+
+@cuda.jit(device=True, forceinline=True)
+def _sum_groups_of_8_f32(v):
+    """f32 sum over the 4 groups of 8 lanes (lane bits 4, then 3): a fixed butterfly."""
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+    return v
+
+
+@cuda.jit(device=True, forceinline=True)
+def _u16pair(a16, h):
+    """32-bit word from two uint16 at halfword index h (little endian)."""
+    return uint32(a16[_ix(h)]) | (uint32(a16[_ix(h + 1)]) << uint32(16))
+
+
+# ============================================================================================
+# Activation quantizers (bit-identical to cpu.quantize_q8_0 / cpu.quantize_q8_k)
+# ============================================================================================
+
+@cuda.jit
+def _quantize_q8_0_kernel(x, q, d, nblocks):
+    """One warp per 32-value block, one lane per value."""
+    b = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
+    lane = cuda.threadIdx.x % WARP
+    if b >= nblocks:
+        return
+    v = x[b * 32 + lane]
+    amax = abs(v)
+    for m in (16, 8, 4, 2, 1):
+        amax = max(amax, cuda.shfl_xor_sync(FULL_MASK, amax, m))
+    db = amax / float32(127.0)
+    inv = float32(1.0) / db if db != float32(0.0) else float32(0.0)
+    r = libdevice.rintf(v * inv)
+    r = min(max(r, float32(-128.0)), float32(127.0))
+    q[b * 32 + lane] = int32(r)
+    if lane == 0:
+        d[b] = db
+
+
+@cuda.jit
+def _quantize_q8_k_kernel(x, q, d, bsums, nblocks):
+    """One warp per 256-value block; lane l holds values 8l..8l+7."""
+    b = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
+    lane = cuda.threadIdx.x % WARP
+    if b >= nblocks:
+        return
+    base = b * 256 + lane * 8
+    # first occurrence of the largest |x| within the lane ...
+    amax = float32(0.0)
+    vmax = float32(0.0)
+    imax = int32(1 << 30)
+    for i in range(8):
+        v = x[base + i]
+        if abs(v) > amax:
+            amax = abs(v)
+            vmax = v
+            imax = int32(lane * 8 + i)
+    # ... then across lanes: larger |x| wins, ties go to the smaller index
+    for m in (16, 8, 4, 2, 1):
+        oa = cuda.shfl_xor_sync(FULL_MASK, amax, m)
+        ov = cuda.shfl_xor_sync(FULL_MASK, vmax, m)
+        oi = cuda.shfl_xor_sync(FULL_MASK, imax, m)
+        if oa > amax or (oa == amax and oi < imax):
+            amax = oa
+            vmax = ov
+            imax = oi
+    if amax == float32(0.0):
+        for i in range(8):
+            q[base + i] = 0
+        if lane % 2 == 0:
+            bsums[b * 16 + lane // 2] = 0
+        if lane == 0:
+            d[b] = float32(0.0)
+        return
+    iscale = float32(-127.0) / vmax
+    s = int32(0)
+    for i in range(8):
+        r = libdevice.rintf(iscale * x[base + i])
+        r = min(max(r, float32(-128.0)), float32(127.0))
+        qi = int32(r)
+        q[base + i] = qi
+        s += qi
+    s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
+    if lane % 2 == 0:
+        bsums[b * 16 + lane // 2] = s
+    if lane == 0:
+        d[b] = float32(1.0) / iscale
+
+
+def _stream(stream):
+    return 0 if stream is None else stream
+
+
+def _flat(a):
+    return a.reshape(a.size) if a.ndim != 1 else a
+
+
+def quantize_q8_0(x, q, d, stream=0):
+    """Q8_0-quantize x (f32, any shape, size % 32 == 0) into q (int8, same size), d (f32, size/32).
+
+    Blocks never straddle tokens (K % 32 == 0), so one call serves one token or a [n_tok, K] batch.
+    """
+    n = x.size
+    if n % 32 or q.size != n or d.size != n // 32:
+        raise ValueError("quantize_q8_0: sizes must be x[n], q[n], d[n/32] with n % 32 == 0")
+    nb = n // 32
+    _quantize_q8_0_kernel[(nb + 7) // 8, 256, _stream(stream)](_flat(x), _flat(q), _flat(d), nb)
+
+
+def quantize_q8_k(x, q, d, bsums, stream=0):
+    """Q8_K-quantize x (f32, size % 256 == 0) into q (int8), d (f32, n/256), bsums (int32, n/16)."""
+    n = x.size
+    if n % 256 or q.size != n or d.size != n // 256 or bsums.size != n // 16:
+        raise ValueError("quantize_q8_k: sizes must be x[n], q[n], d[n/256], bsums[n/16], n % 256 == 0")
+    nb = n // 256
+    _quantize_q8_k_kernel[(nb + 7) // 8, 256, _stream(stream)](
+        _flat(x), _flat(q), _flat(d), _flat(bsums), nb)
+
+
+# A [n_tok, K] batch is the same operation on the flattened array.
+quantize_q8_0_batch = quantize_q8_0
+quantize_q8_k_batch = quantize_q8_k
+
+
+# ============================================================================================
+# Arena views
+# ============================================================================================
+
+_VIEW_CACHE = {}
+
+
+def _arena_views(arena):
+    """(uint16 view, uint32 view) of a uint8 device arena; cached, so no per-call work."""
+    if not cuda.is_cuda_array(arena):
+        raise TypeError("arena must be a device array (uint8)")
+    iface = arena.__cuda_array_interface__
+    key = (iface["data"][0], arena.size)
+    views = _VIEW_CACHE.get(key)
+    if views is None:
+        a = arena if isinstance(arena, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(arena)
+        if a.dtype != np.uint8 or a.ndim != 1:
+            raise TypeError("arena must be a 1-D uint8 device array")
+        n = a.size
+        views = (a[: n // 2 * 2].view(np.uint16), a[: n // 4 * 4].view(np.uint32), a)
+        if len(_VIEW_CACHE) > 64:
+            _VIEW_CACHE.clear()
+        _VIEW_CACHE[key] = views
+    return views
+
+
+def _as_i32(a):
+    """int32 view of an int8 device array (size % 4 == 0, base 4-aligned as allocations are)."""
+    return _flat(a).view(np.int32)
+
+
+def _as_i64(a):
+    return _flat(a).view(np.int64)
+
+
+_TABLES = None
+
+
+def _iq2_tables():
+    """Device copies of the IQ2_XXS grid (uint64[256]) and sign table (uint8[128]), made once."""
+    global _TABLES
+    if _TABLES is None:
+        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)),
+                   cuda.to_device(F.KSIGNS_IQ2XS.astype(np.uint8)))
+    return _TABLES
+
+
+# ============================================================================================
+# Q8_0 x Q8_0-activation and F16 x f32 (dense projections): warp per row, optional split-K
+# ============================================================================================
+#
+# Q8_0 lane map: lane = 4*g + t. A warp step covers 8 consecutive blocks; group g takes block
+# 8*step + g and lane t its bytes 8t..8t+7 (two dp4a). The 4 lanes of a group sum their integer
+# partials (exact), then each lane accumulates (d_w*d_x)*isum for its group's blocks in f32.
+# At the end a butterfly over the groups (lane xor 16, 8, 4) gives the warp's sum. With S warps
+# per row (split-K for short grids) warp w takes steps w, w+S, ... and the S partials are added in
+# warp order through shared memory.
+
+_NW_DENSE = 8      # warps per block in the dense kernels
+
+
+def _dense_split(rows):
+    """Warps per row: enough warps to fill the GPU when a matrix has few rows."""
+    if rows >= 8192:
+        return 1
+    if rows >= 4096:
+        return 2
+    if rows >= 2048:
+        return 4
+    return 8
+
+
+
+def _make_finish(S, T):
+    """Write the row results: directly (S == 1) or after adding the S warp partials in order."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld):
+        if S == 1:
+            if lane == 0 and row < rows:
+                for tt in range(T):
+                    if tok0 + tt < n_tok:
+                        out[(tok0 + tt) * out_ld + row] = acc[tt]
+        else:
+            if lane == 0:
+                for tt in range(T):
+                    part[warp, tt] = acc[tt]
+            cuda.syncthreads()
+            if w == 0 and lane == 0 and row < rows:
+                for tt in range(T):
+                    if tok0 + tt < n_tok:
+                        s = part[warp, tt]
+                        for k in range(1, S):
+                            s += part[warp + k, tt]
+                        out[(tok0 + tt) * out_ld + row] = s
+
+    return finish
+
+
+_KERNELS = {}
+
+
+def _cached(key, build):
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = build()
+    return k
+
+
+def _make_q8_0_step(T):
+    """One warp step (8 blocks) of a Q8_0 row for T tokens; `valid` is False only past the end."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def step_fn(a16, hrow, b, t, valid, xq64, xd, nb, tok0, n_tok, acc):
+        q0 = uint32(0)
+        q1 = uint32(0)
+        wd = float32(0.0)
+        if valid:
+            hb = hrow + 17 * b
+            wd = f16_bits_to_f32(a16[_ix(hb)])
+            q0 = _u16pair(a16, hb + 1 + 4 * t)
+            q1 = _u16pair(a16, hb + 3 + 4 * t)
+        for tt in range(T):
+            tok = tok0 + tt
+            if T == 1 or tok < n_tok:          # warp-uniform
+                xv = int64(0)
+                xs = float32(0.0)
+                if valid:
+                    xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
+                    xs = xd[_ix(tok * nb + b)]
+                isum = dp4a(q0, int32(xv & 0xFFFFFFFF), 0)
+                isum = dp4a(q1, int32(xv >> 32), isum)
+                isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
+                isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
+                if valid:
+                    acc[tt] = cuda.fma(wd * xs, float32(isum), acc[tt])
+
+    return step_fn
+
+
+def _q8_0_kernel(S, T):
+    RPB = _NW_DENSE // S   # rows per block
+    finish = _make_finish(S, T)
+    step_fn = _make_q8_0_step(T)
+
+    @cuda.jit
+    def kernel(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld):
+        part = cuda.shared.array((_NW_DENSE, T), float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        g = lane >> 2
+        t = lane & 3
+        w = warp % S
+        row = cuda.blockIdx.x * RPB + warp // S
+        tok0 = cuda.blockIdx.y * T
+        acc = cuda.local.array(T, float32)
+        for tt in range(T):
+            acc[tt] = float32(0.0)
+        if row < rows:                      # warp-uniform
+            hrow = row_h0 + row * row_h
+            nfull = nb >> 3
+            for step in range(w, nfull, S):
+                step_fn(a16, hrow, step * 8 + g, t, True, xq64, xd, nb, tok0, n_tok, acc)
+            if (nb & 7) != 0 and nfull % S == w:     # the tail step, in its place in the order
+                b = nfull * 8 + g
+                step_fn(a16, hrow, b, t, b < nb, xq64, xd, nb, tok0, n_tok, acc)
+        for tt in range(T):
+            v = acc[tt]
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+            acc[tt] = v
+        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+
+    return kernel
+
+
+def _make_f16_step(T):
+    @cuda.jit(device=True, forceinline=True)
+    def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc):
+        if valid:
+            wv = a32[_ix(wrow + p)]
+            w0 = f16_bits_to_f32(wv & _M16)
+            w1 = f16_bits_to_f32(wv >> uint32(16))
+            for tt in range(T):
+                tok = tok0 + tt
+                if T == 1 or tok < n_tok:
+                    xv = x64[_ix(tok * npairs + p)]
+                    acc[tt] = cuda.fma(w0, xv.real, acc[tt])
+                    acc[tt] = cuda.fma(w1, xv.imag, acc[tt])
+
+    return step_fn
+
+
+def _f16_kernel(S, T):
+    """F16 x f32: a lane takes one pair of weights (one uint32) per step, fma in f32."""
+    RPB = _NW_DENSE // S
+    finish = _make_finish(S, T)
+    step_fn = _make_f16_step(T)
+
+    @cuda.jit
+    def kernel(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld):
+        part = cuda.shared.array((_NW_DENSE, T), float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        w = warp % S
+        row = cuda.blockIdx.x * RPB + warp // S
+        tok0 = cuda.blockIdx.y * T
+        acc = cuda.local.array(T, float32)
+        for tt in range(T):
+            acc[tt] = float32(0.0)
+        if row < rows:
+            wrow = row_w0 + row * row_w
+            nfull = npairs >> 5
+            for step in range(w, nfull, S):
+                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc)
+            if (npairs & 31) != 0 and nfull % S == w:
+                p = nfull * WARP + lane
+                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc)
+        for tt in range(T):
+            v = acc[tt]
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+            acc[tt] = v
+        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+
+    return kernel
+
+
+def _tok_tile(n_tok):
+    return 1 if n_tok == 1 else 8
+
+
+def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+    """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
+    (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous)."""
+    if off % 2 or K % 32:
+        raise ValueError("Q8_0: offset must be even and K a multiple of 32")
+    if xq.size != n_tok * K or xd.size != n_tok * (K // 32) or out.size != n_tok * rows:
+        raise ValueError("Q8_0: activation or output size does not match (n_tok, K, rows)")
+    a16, _, _ = _arena_views(arena)
+    nb = K // 32
+    if off + rows * 34 * nb > 2 * a16.size:
+        raise ValueError("Q8_0: tensor runs past the end of the arena")
+    S = _dense_split(rows)
+    T = _tok_tile(n_tok)
+    kernel = _cached(("q8_0", S, T), lambda: _q8_0_kernel(S, T))
+    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
+    kernel[grid, _NW_DENSE * WARP, _stream(stream)](
+        a16, off // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows)
+
+
+def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
+    """out[r] = W[r] . x for Q8_0 weights; x given Q8_0-quantized (xq int8[K], xd f32[K/32])."""
+    matmul_q8_0(arena, off, rows, K, 1, xq, xd, out, stream)
+
+
+def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
+    """out[t, r] = W[r] . X[t] for F16 weights and f32 activations X[n_tok, K] (no quantization)."""
+    if off % 4 or K % 2:
+        raise ValueError("F16: offset must be a multiple of 4 and K even")
+    if X.size != n_tok * K or out.size != n_tok * rows:
+        raise ValueError("F16: activation or output size does not match (n_tok, K, rows)")
+    _, a32, _ = _arena_views(arena)
+    if off + rows * 2 * K > 4 * a32.size:
+        raise ValueError("F16: tensor runs past the end of the arena")
+    S = _dense_split(rows)
+    T = _tok_tile(n_tok)
+    kernel = _cached(("f16", S, T), lambda: _f16_kernel(S, T))
+    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
+    kernel[grid, _NW_DENSE * WARP, _stream(stream)](
+        a32, off // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows)
+
+
+def matvec_f16(arena, off, rows, K, x, out, stream=0):
+    """out[r] = W[r] . x for F16 weights and an f32 activation x[K]."""
+    matmul_f16(arena, off, rows, K, 1, x, out, stream)
+
+
+# ============================================================================================
+# Q8_K-activation types (IQ2_XXS, Q2_K, Q4_K): row dot products shared by every kernel
+# ============================================================================================
+#
+# Lane map: lane = 8*q + j. A warp step covers 4 super-blocks; the 8 lanes of group q share
+# super-block 4*step + q, lane j taking one 32-weight slice of it. The 8 lanes sum their integer
+# partials (exact: that is the super-block's integer dot), then accumulate its f32 term; a final
+# butterfly over the 4 groups (lane xor 16, 8) adds the groups. The row dot for T tokens decodes
+# each weight slice once and applies it to every token: the arithmetic per token is the same for
+# every T, which is what makes prefill rows bit-identical to decode.
+#
+# IQ2_XXS reads its activation from shared memory, padded with one word per 8 so that the 32
+# lanes (each reading 8 consecutive words) hit 32 different banks. Q2_K and Q4_K lanes read
+# consecutive words, so they read the activation straight from global memory (L1/L2).
+
+def _pad_words(K):
+    """Padded shared-memory length (int32 words) of one Q8_K-quantized activation of K values."""
+    k4 = K // 4
+    return k4 + k4 // 8
+
+
+def _make_rowdot(T, step_fn, final_scale):
+    """Row dot product for T tokens from a per-super-block step function (see the lane map)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def rowdot(a16, a32, roff, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
+        lane = cuda.laneid
+        q = lane >> 3
+        j = lane & 7
+        acc = cuda.local.array(T, float32)
+        for tt in range(T):
+            acc[tt] = float32(0.0)
+        nfull = nsb >> 2
+        for step in range(nfull):
+            step_fn(a16, a32, roff, nsb, step * 4 + q, j, True, xsrc, xbase, xd, xbs, toks, cnt,
+                    grid_s, ks_s, acc)
+        if (nsb & 3) != 0:
+            sb = nfull * 4 + q
+            step_fn(a16, a32, roff, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, cnt,
+                    grid_s, ks_s, acc)
+        for tt in range(T):
+            res[tt] = final_scale * _sum_groups_of_8_f32(acc[tt])
+
+    return rowdot
+
+
+def _make_step_iq2_xxs(T):
+    """IQ2_XXS: lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte
+    words, then dots them with each token's 32 activation bytes (padded shared layout)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
+                ks_s, acc):
+        wv = cuda.local.array(8, uint32)
+        aux0 = uint32(0)
+        aux1 = uint32(0)
+        dbits = uint32(0)
+        if valid:
+            hsb = (roff >> 1) + 33 * sb
+            dbits = uint32(a16[_ix(hsb)])
+            aux0 = _u16pair(a16, hsb + 1 + 4 * j)     # 4 grid indices
+            aux1 = _u16pair(a16, hsb + 3 + 4 * j)     # 4 x 7 sign bits, 4-bit scale
+        for l in range(4):
+            gv = grid_s[_ix((aux0 >> uint32(8 * l)) & _M8)]
+            s8 = uint32(ks_s[_ix((aux1 >> uint32(7 * l)) & uint32(127))])
+            m_lo = ((s8 & uint32(15)) * _SPREAD4) & _ONES     # 1 in each byte to negate
+            m_hi = ((s8 >> uint32(4)) * _SPREAD4) & _ONES
+            g_lo = uint32(gv & uint64(0xFFFFFFFF))
+            g_hi = uint32(gv >> uint64(32))
+            # grid bytes are < 0x80, so (g ^ 0xFF) + 1 == -g byte-wise, without carries
+            wv[2 * l] = (g_lo ^ (m_lo * _M8)) + m_lo
+            wv[2 * l + 1] = (g_hi ^ (m_hi * _M8)) + m_hi
+        ls = int32(uint32(2) * (aux1 >> uint32(28)) + uint32(1))
+        dw = f16_bits_to_f32(dbits)
+        xw = 9 * (8 * sb + j)
+        for tt in range(T):
+            if T == 1 or tt < cnt:
+                sumi = int32(0)
+                if valid:
+                    xb = xbase[tt] + xw
+                    for i in range(8):
+                        sumi = dp4a(wv[i], xsrc[_ix(xb + i)], sumi)
+                bsum = _sum_lanes_of_8_i32(int32(sumi * ls))
+                if valid:
+                    acc[tt] = cuda.fma(dw * xd[_ix(toks[tt] * nsb + sb)], float32(bsum), acc[tt])
+
+    return step_fn
+
+
+def _make_step_q2_k(T):
+    """Q2_K: lane j owns qs words j and 8+j (32 weights: 4 shifts x 2 halves x 4 bytes)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
+                ks_s, acc):
+        hj = j >> 2                      # which 16-weight half of each 32-weight chunk
+        sc = cuda.local.array(4, uint32)
+        qw = cuda.local.array(2, uint32)
+        dd = uint32(0)
+        msc = uint32(0)
+        for i in range(4):
+            sc[i] = uint32(0)
+        qw[0] = uint32(0)
+        qw[1] = uint32(0)
+        if valid:
+            wsb = (roff >> 2) + 21 * sb
+            for i in range(4):
+                sc[i] = a32[_ix(wsb + i)]
+            qw[0] = a32[_ix(wsb + 4 + j)]          # qs bytes 4j..4j+3     (h = 0, l = 4j)
+            qw[1] = a32[_ix(wsb + 12 + j)]         # qs bytes 32+4j..      (h = 1, l = 4j)
+            dd = a32[_ix(wsb + 20)]
+            msc = a32[_ix(wsb + (j >> 1))]         # scale bytes 2j, 2j+1 (for the min sums)
+        d = f16_bits_to_f32(dd & _M16)
+        dmin = f16_bits_to_f32(dd >> uint32(16))
+        sh = uint32(16 * (j & 1))
+        m0 = int32((msc >> (sh + uint32(4))) & uint32(15))
+        m1 = int32((msc >> (sh + uint32(12))) & uint32(15))
+        for tt in range(T):
+            if T == 1 or tt < cnt:
+                isum = int32(0)
+                summs = int32(0)
+                if valid:
+                    xb = xbase[tt] + 64 * sb + j
+                    for h in range(2):
+                        for s in range(4):
+                            scw = sc[2 * h + (s >> 1)]
+                            scale = int32((scw >> uint32(8 * (2 * (s & 1) + hj))) & uint32(15))
+                            q2 = (qw[h] >> uint32(2 * s)) & _LOW2
+                            isum = int32(isum + scale * dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0))
+                    bs = toks[tt] * (16 * nsb) + 16 * sb + 2 * j
+                    summs = int32(m0 * xbs[_ix(bs)] + m1 * xbs[_ix(bs + 1)])
+                isum = _sum_lanes_of_8_i32(isum)
+                summs = _sum_lanes_of_8_i32(summs)
+                if valid:
+                    xdv = xd[_ix(toks[tt] * nsb + sb)]
+                    term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
+                    acc[tt] = acc[tt] + term
+
+    return step_fn
+
+
+def _make_step_q4_k(T):
+    """Q4_K: lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
+                ks_s, acc):
+        sw = cuda.local.array(3, uint32)
+        qw = cuda.local.array(4, uint32)
+        scl = cuda.local.array(8, int32)
+        w0 = uint32(0)
+        for i in range(3):
+            sw[i] = uint32(0)
+        for c in range(4):
+            qw[c] = uint32(0)
+        if valid:
+            wsb = (roff >> 2) + 36 * sb
+            w0 = a32[_ix(wsb)]
+            for i in range(3):
+                sw[i] = a32[_ix(wsb + 1 + i)]
+            for c in range(4):
+                qw[c] = a32[_ix(wsb + 4 + 8 * c + j)]   # chunk c, bytes 4j..4j+3
+        d = f16_bits_to_f32(w0 & _M16)
+        dmin = f16_bits_to_f32(w0 >> uint32(16))
+        mine = int32(0)
+        for k in range(8):       # 6-bit scales and mins (ggml's packing)
+            if k < 4:
+                scl[k] = int32((sw[k >> 2] >> uint32(8 * (k & 3))) & uint32(63))
+                mk = int32((sw[(k + 4) >> 2] >> uint32(8 * ((k + 4) & 3))) & uint32(63))
+            else:
+                b_hi = (sw[(k + 4) >> 2] >> uint32(8 * ((k + 4) & 3))) & _M8
+                b_lo = (sw[(k - 4) >> 2] >> uint32(8 * ((k - 4) & 3))) & _M8
+                b_k = (sw[k >> 2] >> uint32(8 * (k & 3))) & _M8
+                scl[k] = int32((b_hi & uint32(15)) | ((b_lo >> uint32(6)) << uint32(4)))
+                mk = int32((b_hi >> uint32(4)) | ((b_k >> uint32(6)) << uint32(4)))
+            if k == j:
+                mine = mk
+        for tt in range(T):
+            if T == 1 or tt < cnt:
+                isum = int32(0)
+                summs = int32(0)
+                if valid:
+                    xb = xbase[tt] + 64 * sb + j
+                    for c in range(4):
+                        lo = dp4a(qw[c] & _LOW4, xsrc[_ix(xb + 16 * c)], 0)
+                        hi = dp4a((qw[c] >> uint32(4)) & _LOW4, xsrc[_ix(xb + 16 * c + 8)], 0)
+                        isum = int32(isum + scl[2 * c] * lo + scl[2 * c + 1] * hi)
+                    bs = toks[tt] * (16 * nsb) + 16 * sb + 2 * j
+                    summs = int32(mine * (xbs[_ix(bs)] + xbs[_ix(bs + 1)]))
+                isum = _sum_lanes_of_8_i32(isum)
+                summs = _sum_lanes_of_8_i32(summs)
+                if valid:
+                    xdv = xd[_ix(toks[tt] * nsb + sb)]
+                    term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
+                    acc[tt] = acc[tt] + term
+
+    return step_fn
+
+
+def _make_rowdot_iq2_xxs(T):
+    return _make_rowdot(T, _make_step_iq2_xxs(T), float32(0.125))
+
+
+def _make_rowdot_q2_k(T):
+    return _make_rowdot(T, _make_step_q2_k(T), float32(1.0))
+
+
+def _make_rowdot_q4_k(T):
+    return _make_rowdot(T, _make_step_q4_k(T), float32(1.0))
+
+
+_ROWDOT_MAKERS = {F.IQ2_XXS: _make_rowdot_iq2_xxs, F.Q2_K: _make_rowdot_q2_k,
+                  F.Q4_K: _make_rowdot_q4_k}
+_ROWDOTS = {}
+
+
+def _rowdot(wtype, T):
+    key = (wtype, T)
+    if key not in _ROWDOTS:
+        _ROWDOTS[key] = _ROWDOT_MAKERS[wtype](T)
+    return _ROWDOTS[key]
+
+
+def _stages_x(wtype):
+    return wtype == F.IQ2_XXS
+
+
+@cuda.jit(device=True, forceinline=True)
+def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        grid_s[i] = grid_g[i]
+    if cuda.threadIdx.x < 128:
+        ks_s[cuda.threadIdx.x] = ks_g[cuda.threadIdx.x]
+
+
+@cuda.jit(device=True, forceinline=True)
+def _stage_row(xs, dst, xq32, src, k4):
+    """Copy k4 activation words from xq32[src:] into the padded shared layout at xs[dst:]."""
+    for p in range(cuda.threadIdx.x, k4, cuda.blockDim.x):
+        xs[_ix(dst + p + (p >> 3))] = xq32[_ix(src + p)]
+
+
+_NW_Q8K = 8   # warps per block in the Q8_K-activation kernels
+
+
+def _q8k_dense_kernel(wtype, T, R):
+    """matvec / matmul for IQ2_XXS, Q2_K, Q4_K: warp per row, R rows per warp, T tokens."""
+    rowdot = _rowdot(wtype, T)
+    stage = _stages_x(wtype)
+    RPB = _NW_Q8K * R
+
+    @cuda.jit
+    def kernel(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        tok0 = cuda.blockIdx.y * T
+        cnt = min(T, n_tok - tok0)
+        k4 = nsb * 64
+        pad = k4 + k4 // 8
+        toks = cuda.local.array(T, int64)
+        xbase = cuda.local.array(T, int64)
+        for tt in range(T):
+            toks[tt] = tok0 + tt if tt < cnt else tok0
+            xbase[tt] = tt * pad if stage else toks[tt] * k4
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            for tt in range(T):
+                if tt < cnt:
+                    _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
+            cuda.syncthreads()
+        res = cuda.local.array(T, float32)
+        for i in range(R):
+            row = cuda.blockIdx.x * RPB + i * _NW_Q8K + warp
+            if row < rows:                 # warp-uniform
+                rowdot(a16, a32, off + row * rb, nsb, xs if stage else xq32, xbase, xd, xbs,
+                       toks, cnt, grid_s, ks_s, res)
+                if lane == 0:
+                    for tt in range(T):
+                        if tt < cnt:
+                            out[(tok0 + tt) * out_ld + row] = res[tt]
+
+    return kernel
+
+
+_DUMMY = {}
+
+
+def _dummy_i32():
+    if "i32" not in _DUMMY:
+        _DUMMY["i32"] = cuda.device_array(4, np.int32)
+    return _DUMMY["i32"]
+
+
+def _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, arena_bytes):
+    name = F.TYPE_NAMES[wtype]
+    if K % 256 or off % 4:
+        raise ValueError(f"{name}: K must be a multiple of 256 and the offset of 4")
+    rb = F.row_bytes(wtype, K)
+    if rb % 4:
+        raise ValueError(f"{name}: rows of {rb} bytes are not 4-byte aligned (K = {K})")
+    if xq.size != n_tok * K or xd.size != n_tok * (K // 256) or out.size != n_tok * rows:
+        raise ValueError(f"{name}: activation or output size does not match (n_tok, K, rows)")
+    if wtype != F.IQ2_XXS and (bsums is None or bsums.size != n_tok * (K // 16)):
+        raise ValueError(f"{name}: needs the Q8_K bsums (n_tok*K/16 int32)")
+    if off + rows * rb > arena_bytes:
+        raise ValueError(f"{name}: tensor runs past the end of the arena")
+    return rb
+
+
+def _matmul_q8k(wtype, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream):
+    a16, a32, a8 = _arena_views(arena)
+    rb = _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, a8.size)
+    T = 1 if n_tok == 1 else 4
+    R = 2
+    kernel = _cached(("q8k_dense", wtype, T, R), lambda: _q8k_dense_kernel(wtype, T, R))
+    grid_g, ks_g = _iq2_tables()
+    shmem = 4 * T * _pad_words(K) if _stages_x(wtype) else 0
+    rpb = _NW_Q8K * R
+    grid = ((rows + rpb - 1) // rpb, (n_tok + T - 1) // T)
+    kernel[grid, _NW_Q8K * WARP, _stream(stream), shmem](
+        a16, a32, off, rb, rows, K // 256, _as_i32(xq), _flat(xd),
+        _flat(bsums) if bsums is not None else _dummy_i32(), n_tok, _flat(out), rows, grid_g, ks_g)
+
+
+def matmul_iq2_xxs(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+    """IQ2_XXS weights x Q8_K activations (xq int8[n_tok*K], xd f32[n_tok*K/256]) -> out[n_tok, rows]."""
+    _matmul_q8k(F.IQ2_XXS, arena, off, rows, K, n_tok, xq, xd, None, out, stream)
+
+
+def matvec_iq2_xxs(arena, off, rows, K, xq, xd, out, stream=0):
+    _matmul_q8k(F.IQ2_XXS, arena, off, rows, K, 1, xq, xd, None, out, stream)
+
+
+def matmul_q2_k(arena, off, rows, K, n_tok, xq, xd, bsums, out, stream=0):
+    """Q2_K weights x Q8_K activations (with bsums int32[n_tok*K/16]) -> out[n_tok, rows]."""
+    _matmul_q8k(F.Q2_K, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream)
+
+
+def matvec_q2_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
+    _matmul_q8k(F.Q2_K, arena, off, rows, K, 1, xq, xd, bsums, out, stream)
+
+
+def matmul_q4_k(arena, off, rows, K, n_tok, xq, xd, bsums, out, stream=0):
+    """Q4_K weights x Q8_K activations (with bsums) -> out[n_tok, rows]."""
+    _matmul_q8k(F.Q4_K, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream)
+
+
+def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
+    _matmul_q8k(F.Q4_K, arena, off, rows, K, 1, xq, xd, bsums, out, stream)
+
+
+# ============================================================================================
+# Routed experts (ds4-model.md §6.11)
+# ============================================================================================
+#
+# Decode, 4 launches, all graph-capturable (expert addresses and route weights in device memory):
+#   quantize_q8_k(x)                          -> xq
+#   moe_gate_up: grid (rows, n_used slots)    -> mid[k] = silu(min(g, c)) * clip(u, -c, c) * w_k
+#   quantize_q8_k(mid)  (n_used*n_ff values)  -> mq
+#   moe_down:    one warp per output row, loops the slots in order and adds their dot products
+#                in registers: one write per output, no atomics.
+# Prefill uses the same row dot products on tiles of up to T (token, slot) pairs that share an
+# expert, writes each pair's down result, and adds them per token in slot order (moe_sum), so
+# every token equals its decode result bit for bit.
+
+_NW_MOE = 8
+
+
+@cuda.jit(device=True, forceinline=True)
+def _swiglu(g, u, clamp, w):
+    g = min(g, clamp)
+    u = max(min(u, clamp), -clamp)
+    return g / (float32(1.0) + math.exp(-g)) * u * w
+
+
+def _moe_gate_up_kernel(wtype, T, R):
+    rowdot = _rowdot(wtype, T)
+    stage = _stages_x(wtype)
+    RPB = _NW_MOE * R
+
+    @cuda.jit
+    def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, xbs, nsb,
+               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:                      # block-uniform
+            return
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        c32 = float32(clamp)
+        k4 = nsb * 64
+        pad = k4 + k4 // 8
+        toks = cuda.local.array(T, int64)
+        xbase = cuda.local.array(T, int64)
+        for tt in range(T):
+            toks[tt] = tile_tok[tile * T + tt] if tt < cnt else tile_tok[tile * T]
+            xbase[tt] = tt * pad if stage else toks[tt] * k4
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            for tt in range(T):
+                if tt < cnt:
+                    _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
+            cuda.syncthreads()
+        gate0 = tile_off[tile * 3]
+        up0 = tile_off[tile * 3 + 1]
+        gres = cuda.local.array(T, float32)
+        ures = cuda.local.array(T, float32)
+        for i in range(R):
+            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
+            if r < n_ff:                  # warp-uniform
+                src = xs if stage else xq32
+                rowdot(a16, a32, gate0 + r * rb, nsb, src, xbase, xd, xbs, toks, cnt,
+                       grid_s, ks_s, gres)
+                rowdot(a16, a32, up0 + r * rb, nsb, src, xbase, xd, xbs, toks, cnt,
+                       grid_s, ks_s, ures)
+                if lane == 0:
+                    for tt in range(T):
+                        if tt < cnt:
+                            pair = toks[tt] * n_used + tile_slot[tile * T + tt]
+                            mid[pair * n_ff + r] = _swiglu(gres[tt], ures[tt], c32, route_w[pair])
+
+    return kernel
+
+
+def _moe_down_decode_kernel(wtype, R):
+    rowdot = _rowdot(wtype, 1)
+    stage = _stages_x(wtype)
+    RPB = _NW_MOE * R
+
+    @cuda.jit
+    def kernel(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        k4 = nsb * 64
+        pad = k4 + k4 // 8
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            for k in range(n_used):
+                _stage_row(xs, k * pad, mq32, k * k4, k4)
+            cuda.syncthreads()
+        toks = cuda.local.array(1, int64)
+        xbase = cuda.local.array(1, int64)
+        res = cuda.local.array(1, float32)
+        for i in range(R):
+            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
+            if r < n_embd:
+                acc = float32(0.0)
+                for k in range(n_used):   # slot order, as ds4 adds them
+                    toks[0] = k
+                    xbase[0] = k * pad if stage else k * k4
+                    rowdot(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, xs if stage else mq32,
+                           xbase, md, mbs, toks, 1, grid_s, ks_s, res)
+                    acc = acc + res[0]
+                if lane == 0:
+                    out[r] = acc
+
+    return kernel
+
+
+def _moe_down_tiles_kernel(wtype, T, R):
+    """Prefill: each (token, slot) pair's down projection, written to pair_out[pair, n_embd]."""
+    rowdot = _rowdot(wtype, T)
+    stage = _stages_x(wtype)
+    RPB = _NW_MOE * R
+
+    @cuda.jit
+    def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
+               n_embd, pair_out, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:
+            return
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        k4 = nsb * 64
+        pad = k4 + k4 // 8
+        toks = cuda.local.array(T, int64)     # here: the pair's row in the quantized mid
+        xbase = cuda.local.array(T, int64)
+        for tt in range(T):
+            t_ = tt if tt < cnt else 0
+            toks[tt] = tile_tok[tile * T + t_] * n_used + tile_slot[tile * T + t_]
+            xbase[tt] = tt * pad if stage else toks[tt] * k4
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            for tt in range(T):
+                if tt < cnt:
+                    _stage_row(xs, tt * pad, mq32, toks[tt] * k4, k4)
+            cuda.syncthreads()
+        down0 = tile_off[tile * 3 + 2]
+        res = cuda.local.array(T, float32)
+        for i in range(R):
+            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
+            if r < n_embd:
+                rowdot(a16, a32, down0 + r * rb, nsb, xs if stage else mq32, xbase, md, mbs,
+                       toks, cnt, grid_s, ks_s, res)
+                if lane == 0:
+                    for tt in range(T):
+                        if tt < cnt:
+                            pair_out[toks[tt] * n_embd + r] = res[tt]
+
+    return kernel
+
+
+@cuda.jit
+def _moe_sum_kernel(pair_out, n_tok, n_used, n_embd, out):
+    """out[t, r] = sum over slots k (in order) of pair_out[t*n_used + k, r], as decode adds them."""
+    i = cuda.grid(1)
+    if i >= n_tok * n_embd:
+        return
+    t = i // n_embd
+    r = i - t * n_embd
+    acc = float32(0.0)
+    for k in range(n_used):
+        acc = acc + pair_out[(t * n_used + k) * n_embd + r]
+    out[i] = acc
+
+
+@cuda.jit
+def _expert_offsets_kernel(expert_ids, n_used, base_gate, base_up, base_down, stride_gu,
+                           stride_down, slot_offsets):
+    k = cuda.grid(1)
+    if k < n_used:
+        e = int64(expert_ids[k])
+        slot_offsets[k * 3] = base_gate + e * stride_gu
+        slot_offsets[k * 3 + 1] = base_up + e * stride_gu
+        slot_offsets[k * 3 + 2] = base_down + e * stride_down
+
+
+def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_down,
+                   slot_offsets, stream=0):
+    """slot_offsets[k] = (base_gate + e*stride_gu, base_up + e*stride_gu, base_down + e*stride_down)
+    with e = expert_ids[k], all on the device (expert_ids int32[n_used], slot_offsets int64[n_used, 3])."""
+    n_used = expert_ids.size
+    _expert_offsets_kernel[1, 32, _stream(stream)](
+        _flat(expert_ids), n_used, int(base_gate), int(base_up), int(base_down), int(stride_gu),
+        int(stride_down), _flat(slot_offsets))
+
+
+class _DecodeTiles:
+    """Constant tile tables that make the decode MoE the T=1 case of the tiled kernels."""
+
+    def __init__(self, n_used):
+        self.tok = cuda.to_device(np.zeros(n_used, np.int32))
+        self.slot = cuda.to_device(np.arange(n_used, dtype=np.int32))
+        self.cnt = cuda.to_device(np.ones(n_used, np.int32))
+
+
+_DECODE_TILES = {}
+
+
+def _decode_tiles(n_used):
+    if n_used not in _DECODE_TILES:
+        _DECODE_TILES[n_used] = _DecodeTiles(n_used)
+    return _DECODE_TILES[n_used]
+
+
+_R_GATE_UP = 2
+_R_DOWN = 1
+
+
+def _check_moe_types(gate_type, down_type):
+    for t in (gate_type, down_type):
+        if t not in _ROWDOT_MAKERS:
+            raise ValueError(f"MoE experts of type {F.TYPE_NAMES.get(t, t)} are not supported "
+                             "(IQ2_XXS, Q2_K, Q4_K)")
+
+
+def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, clamp, mid,
+                stream=0, bsums=None):
+    """Gate and up of every selected expert in ONE launch, with ds4's clamped SwiGLU and the
+    route weight: mid[k, r] = silu(min(g, c)) * clip(u, -c, c) * route_w[k].
+
+    slot_offsets: device int64[n_used, 3] byte offsets (gate, up, down) into arena;
+    xq/xd(/bsums): the token's Q8_K activation; route_w: device f32[n_used]; mid: f32[n_used, n_ff].
+    """
+    _check_moe_types(gate_type, gate_type)
+    n_used = slot_offsets.shape[0]
+    a16, a32, _ = _arena_views(arena)
+    tiles = _decode_tiles(n_used)
+    _launch_gate_up(gate_type, 1, a16, a32, _flat(slot_offsets), tiles.tok, tiles.slot, tiles.cnt,
+                    n_used, n_used, n_embd, n_ff, xq, xd, bsums, route_w, clamp, mid, stream)
+
+
+def _launch_gate_up(gate_type, T, a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_tiles,
+                    n_used, n_embd, n_ff, xq, xd, bsums, route_w, clamp, mid, stream):
+    R = _R_GATE_UP
+    kernel = _cached(("moe_gu", gate_type, T, R), lambda: _moe_gate_up_kernel(gate_type, T, R))
+    grid_g, ks_g = _iq2_tables()
+    shmem = 4 * T * _pad_words(n_embd) if _stages_x(gate_type) else 0
+    rpb = _NW_MOE * R
+    grid = ((n_ff + rpb - 1) // rpb, n_tiles)
+    kernel[grid, _NW_MOE * WARP, _stream(stream), shmem](
+        a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, _as_i32(xq), _flat(xd),
+        _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
+        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), _flat(mid), grid_g, ks_g)
+
+
+def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0):
+    """out[r] = sum over slots k (in order) of W_down[e_k][r] . Q8_K(mid[k]); ONE launch.
+
+    mq/md/mbs: Q8_K of mid (n_used*n_ff values, quantized as one vector); out: f32[n_embd]."""
+    _check_moe_types(down_type, down_type)
+    n_used = slot_offsets.shape[0]
+    a16, a32, _ = _arena_views(arena)
+    R = _R_DOWN
+    kernel = _cached(("moe_down", down_type, R), lambda: _moe_down_decode_kernel(down_type, R))
+    grid_g, ks_g = _iq2_tables()
+    shmem = 4 * n_used * _pad_words(n_ff) if _stages_x(down_type) else 0
+    rpb = _NW_MOE * R
+    kernel[(n_embd + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream), shmem](
+        a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
+        _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
+        F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g)
+
+
+class MoEWorkspace:
+    """Scratch for one decode MoE (allocate once, before capturing a graph)."""
+
+    def __init__(self, n_used, n_embd, n_ff):
+        self.n_used, self.n_embd, self.n_ff = n_used, n_embd, n_ff
+        self.xq = cuda.device_array(n_embd, np.int8)
+        self.xd = cuda.device_array(n_embd // 256, np.float32)
+        self.xbs = cuda.device_array(n_embd // 16, np.int32)
+        self.mid = cuda.device_array((n_used, n_ff), np.float32)
+        self.mq = cuda.device_array(n_used * n_ff, np.int8)
+        self.md = cuda.device_array(n_used * n_ff // 256, np.float32)
+        self.mbs = cuda.device_array(n_used * n_ff // 16, np.int32)
+        _decode_tiles(n_used)
+        _iq2_tables()
+        _dummy_i32()
+
+
+def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out, ws, stream=0):
+    """The whole routed MoE for one token: 4 launches, no allocation, no sync.
+
+    x: device f32[n_embd]; route_w: device f32[n_used]; out: device f32[n_embd];
+    ws: a MoEWorkspace(n_used, n_embd, n_ff)."""
+    quantize_q8_k(x, ws.xq, ws.xd, ws.xbs, stream)
+    moe_gate_up(arena, slot_offsets, gate_type, ws.n_embd, ws.n_ff, ws.xq, ws.xd, route_w, clamp,
+                ws.mid, stream, bsums=ws.xbs)
+    quantize_q8_k(ws.mid, ws.mq, ws.md, ws.mbs, stream)
+    moe_down(arena, slot_offsets, down_type, ws.n_ff, ws.n_embd, ws.mq, ws.md, ws.mbs, out, stream)
+
+
+_T_MOE_PREFILL = 4
+
+
+def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
+                clamp, out, stream=0):
+    """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
+
+    expert_table: host int64[n_exp, 3] byte offsets (gate, up, down) of every expert in arena;
+    X: device f32[n_tok, n_embd]; expert_ids: HOST int32[n_tok, n_used]; route_w: device
+    f32[n_tok, n_used]; out: device f32[n_tok, n_embd]. Allocates its scratch (not for graphs).
+    """
+    _check_moe_types(gate_type, down_type)
+    ids = np.ascontiguousarray(expert_ids, dtype=np.int32)
+    n_tok, n_used = ids.shape
+    table = np.asarray(expert_table, dtype=np.int64)
+    T = _T_MOE_PREFILL
+    # group the (token, slot) pairs by expert, then cut each group into tiles of <= T pairs
+    pairs_tok = np.repeat(np.arange(n_tok, dtype=np.int32), n_used)
+    pairs_slot = np.tile(np.arange(n_used, dtype=np.int32), n_tok)
+    pairs_exp = ids.reshape(-1)
+    order = np.argsort(pairs_exp, kind="stable")
+    exps, starts, counts = np.unique(pairs_exp[order], return_index=True, return_counts=True)
+    n_tiles = int(np.sum((counts + T - 1) // T))
+    tile_off = np.zeros((n_tiles, 3), np.int64)
+    tile_tok = np.zeros((n_tiles, T), np.int32)
+    tile_slot = np.zeros((n_tiles, T), np.int32)
+    tile_cnt = np.zeros(n_tiles, np.int32)
+    ti = 0
+    for e, s0, c in zip(exps, starts, counts):
+        for a in range(0, c, T):
+            n = min(T, c - a)
+            sel = order[s0 + a: s0 + a + n]
+            tile_off[ti] = table[e]
+            tile_tok[ti, :n] = pairs_tok[sel]
+            tile_slot[ti, :n] = pairs_slot[sel]
+            tile_cnt[ti] = n
+            ti += 1
+    s = _stream(stream)
+    d_off = cuda.to_device(tile_off.reshape(-1), stream=s)
+    d_tok = cuda.to_device(tile_tok.reshape(-1), stream=s)
+    d_slot = cuda.to_device(tile_slot.reshape(-1), stream=s)
+    d_cnt = cuda.to_device(tile_cnt, stream=s)
+    xq = cuda.device_array(n_tok * n_embd, np.int8, stream=s)
+    xd = cuda.device_array(n_tok * n_embd // 256, np.float32, stream=s)
+    xbs = cuda.device_array(n_tok * n_embd // 16, np.int32, stream=s)
+    mid = cuda.device_array(n_tok * n_used * n_ff, np.float32, stream=s)
+    mq = cuda.device_array(n_tok * n_used * n_ff, np.int8, stream=s)
+    md = cuda.device_array(n_tok * n_used * n_ff // 256, np.float32, stream=s)
+    mbs = cuda.device_array(n_tok * n_used * n_ff // 16, np.int32, stream=s)
+    pair_out = cuda.device_array(n_tok * n_used * n_embd, np.float32, stream=s)
+    a16, a32, _ = _arena_views(arena)
+    quantize_q8_k(X, xq, xd, xbs, s)
+    _launch_gate_up(gate_type, T, a16, a32, d_off, d_tok, d_slot, d_cnt, n_tiles, n_used, n_embd,
+                    n_ff, xq, xd, xbs, route_w, clamp, mid, s)
+    quantize_q8_k(mid, mq, md, mbs, s)
+    R = _R_DOWN
+    kernel = _cached(("moe_down_tiles", down_type, T, R),
+                     lambda: _moe_down_tiles_kernel(down_type, T, R))
+    grid_g, ks_g = _iq2_tables()
+    shmem = 4 * T * _pad_words(n_ff) if _stages_x(down_type) else 0
+    rpb = _NW_MOE * R
+    kernel[((n_embd + rpb - 1) // rpb, n_tiles), _NW_MOE * WARP, s, shmem](
+        a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
+        F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
+    n_out = n_tok * n_embd
+    _moe_sum_kernel[(n_out + 255) // 256, 256, s](pair_out, n_tok, n_used, n_embd, _flat(out))

@@ -1,0 +1,275 @@
+"""CPU kernels (ds4py.kernels.cpu) against gguf-py float64 references and ds4's §5.1 rules.
+
+Tolerances: the kernels compute every block's integer dot product exactly and sum the blocks in
+f32, so |kernel - exact| <= (n_terms + 8) * 2u * sum_i |w_i x_i| with u = 2^-24 (each block term
+has two f32 roundings, then the running sum has one per term). The float64 reference uses the
+same activation quantization (part of ds4's numerics), so that bound is the tolerance: tight
+enough that one wrong sign, scale or index in a row fails it by orders of magnitude.
+"""
+
+import numpy as np
+import pytest
+
+from ds4py.kernels import cpu, formats as F
+from ds4py.kernels import testdata as TD
+
+TYPES = [F.Q8_0, F.IQ2_XXS, F.Q2_K, F.Q4_K, F.F16, F.F32]
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------------------- formats
+
+def test_iq2xxs_tables_match_gguf():
+    from gguf.quants import IQ2_XXS
+
+    IQ2_XXS.init_grid()
+    grid = IQ2_XXS.grid.reshape(256, 8).astype(np.uint8)
+    assert np.array_equal(F.IQ2XXS_GRID_BYTES, grid)
+    assert np.array_equal(F.IQ2XXS_GRID, np.ascontiguousarray(grid).view("<u8").ravel())
+    assert np.array_equal(F.KSIGNS_IQ2XS, np.frombuffer(IQ2_XXS.ksigns, np.uint8))
+    assert set(np.unique(F.IQ2XXS_GRID_BYTES)) == set(F.GRID_LEVELS)
+
+
+def test_block_geometry_matches_gguf():
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    for t in (F.F32, F.F16, F.Q8_0, F.Q2_K, F.Q4_K, F.IQ2_XXS, F.I32):
+        assert F.BLOCK_GEOMETRY[t] == GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+    assert F.row_bytes(F.IQ2_XXS, 4096) == 1056
+    assert F.row_bytes(F.Q8_0, 4096) == 4352
+    assert F.row_bytes(F.Q2_K, 2048) == 672
+    with pytest.raises(ValueError):
+        F.row_bytes(F.Q8_0, 33)
+
+
+# ---------------------------------------------------------------------- activation quantizers
+
+def _q8_0_numpy(x):
+    """§5.1 in numpy float32: d = amax/127 (f32), id = 1/d, q = clamp(rint(x*id))."""
+    xb = x.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(xb).max(axis=1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[:, None]), -128, 127).astype(np.int8)
+    return q.ravel(), d
+
+
+def _q8_k_numpy(x):
+    """§5.1 Q8_K: signed max (first largest |x|), iscale = -127/max, d = 1/iscale, bsums per 16."""
+    xb = x.reshape(-1, 256).astype(np.float32)
+    idx = np.argmax(np.abs(xb), axis=1)                    # first occurrence
+    vmax = xb[np.arange(len(xb)), idx]
+    q = np.zeros_like(xb, dtype=np.int8)
+    d = np.zeros(len(xb), np.float32)
+    for b in range(len(xb)):
+        if vmax[b] == 0:
+            continue
+        iscale = np.float32(-127) / vmax[b]
+        q[b] = np.clip(np.rint(iscale * xb[b]), -128, 127).astype(np.int8)
+        d[b] = np.float32(1) / iscale
+    bsums = q.reshape(-1, 16).astype(np.int32).sum(axis=1)
+    return q.ravel(), d, bsums
+
+
+def test_quantize_q8_0_random_and_zero_blocks():
+    x = _rng(1).standard_normal(32 * 40).astype(np.float32) * 3
+    x[64:96] = 0                               # an all-zero block: d = 0, q = 0
+    q, d = cpu.quantize_q8_0(x)
+    qr, dr = _q8_0_numpy(x)
+    assert np.array_equal(q, qr) and np.array_equal(d, dr)
+    assert d[2] == 0 and not q[64:96].any()
+    assert d.dtype == np.float32 and q.dtype == np.int8
+
+
+def test_quantize_q8_0_rounds_half_to_even():
+    x = np.zeros(32, np.float32)
+    x[0] = 127.0                               # d = 1, id = 1: x*id is x itself
+    x[1:8] = [2.5, 3.5, -2.5, -3.5, 0.5, 1.5, -0.5]
+    q, d = cpu.quantize_q8_0(x)
+    assert d[0] == 1.0
+    assert list(q[:8]) == [127, 2, 4, -2, -4, 0, 2, 0]
+
+
+def test_quantize_q8_k_random_zero_and_ties():
+    rng = _rng(2)
+    x = rng.standard_normal(256 * 6).astype(np.float32)
+    x[256:512] = 0                             # all-zero block
+    x[512 + 10] = -5.0                         # tie of |max| in block 2: the first (-5) wins
+    x[512 + 200] = 5.0
+    x[512:768] = np.clip(x[512:768], -4.9, 4.9)
+    x[512 + 10], x[512 + 200] = -5.0, 5.0
+    q, d, bs = cpu.quantize_q8_k(x)
+    qr, dr, bsr = _q8_k_numpy(x)
+    assert np.array_equal(q, qr) and np.array_equal(d, dr) and np.array_equal(bs, bsr)
+    assert d[1] == 0 and not q[256:512].any() and not bs[16:32].any()
+    # max = -5 (the first): iscale = -127/-5 > 0, so d > 0 and -5 maps to -127 (not +127)
+    assert q[512 + 10] == -127 and q[512 + 200] == 127 and d[2] > 0
+    assert d.dtype == np.float32 and bs.dtype == np.int32
+
+
+def test_quantize_q8_k_rounds_half_to_even():
+    x = np.zeros(256, np.float32)
+    x[0] = 127.0                               # max = 127: iscale = -1, d = -1
+    x[1:5] = [2.5, 3.5, -0.5, 1.5]
+    q, d, _ = cpu.quantize_q8_k(x)
+    assert d[0] == -1.0
+    assert list(q[:5]) == [-127, -2, -4, 0, -2]
+
+
+# ------------------------------------------------------------------ matvec against references
+
+SMALL_SHAPES = {
+    F.Q8_0: [(1, 32), (7, 96), (33, 320)],
+    F.IQ2_XXS: [(1, 256), (5, 768), (19, 512)],
+    F.Q2_K: [(1, 256), (5, 768), (19, 512)],
+    F.Q4_K: [(1, 256), (5, 768), (19, 512)],
+    F.F16: [(1, 2), (7, 50), (13, 333)],
+    F.F32: [(1, 1), (7, 13), (5, 100)],
+}
+
+# One layer of DeepSeek-V4-Flash (rows, K); the 129280-row output head is left to the GPU bench.
+FLASH_SHAPES = [
+    (F.Q8_0, 1024, 4096),      # attn q_a
+    (F.Q8_0, 32768, 1024),     # attn q_b
+    (F.Q8_0, 512, 4096),       # attn kv
+    (F.Q8_0, 1024, 4096),      # attn out_a (one of the 8 groups)
+    (F.Q8_0, 4096, 8192),      # attn out_b
+    (F.Q8_0, 2048, 4096),      # shared expert gate/up
+    (F.Q8_0, 4096, 2048),      # shared expert down
+    (F.IQ2_XXS, 2048, 4096),   # routed expert gate/up
+    (F.Q2_K, 4096, 2048),      # routed expert down
+    (F.Q4_K, 2048, 4096),      # q4 files: routed expert gate/up
+    (F.F16, 256, 4096),        # router
+]
+
+
+def _check_matvec(t, rows, K, seed, sample=None):
+    rng = _rng(seed)
+    w = TD.random_weights(t, (rows, K), rng)
+    x = rng.standard_normal(K).astype(np.float32)
+    y = cpu.matvec(w, t, x)
+    assert y.shape == (rows,) and y.dtype == np.float32
+    sel = np.arange(rows) if sample is None else np.sort(rng.choice(rows, sample, replace=False))
+    ref, mag = TD.reference_matvec(w, t, x, sel)
+    err = np.abs(y[sel].astype(np.float64) - ref)
+    tol = TD.f32_sum_bound(t, K, mag)
+    assert np.all(err <= tol), f"{F.TYPE_NAMES[t]} {rows}x{K}: max err/tol {np.max(err / tol):.3g}"
+    assert np.max(np.abs(ref)) > 0
+
+
+@pytest.mark.parametrize("t", TYPES, ids=[F.TYPE_NAMES[t] for t in TYPES])
+def test_matvec_small_shapes(t):
+    for i, (rows, K) in enumerate(SMALL_SHAPES[t]):
+        _check_matvec(t, rows, K, seed=100 + i)
+
+
+@pytest.mark.parametrize("t,rows,K", FLASH_SHAPES,
+                         ids=[f"{F.TYPE_NAMES[t]}-{r}x{k}" for t, r, k in FLASH_SHAPES])
+def test_matvec_flash_shapes(t, rows, K):
+    _check_matvec(t, rows, K, seed=rows + K + t, sample=48)
+
+
+def test_matvec_detects_a_single_flipped_weight():
+    """The tolerance is tight enough that one wrong IQ2_XXS sign bit fails it."""
+    rng = _rng(7)
+    w = TD.random_weights(F.IQ2_XXS, (4, 4096), rng)
+    x = rng.standard_normal(4096).astype(np.float32)
+    ref, mag = TD.reference_matvec(w, F.IQ2_XXS, x)
+    w2 = w.copy()
+    w2[1, 2 + 4] ^= 1                          # sign of weight 0 in sub-block 0 of row 1
+    err = np.abs(cpu.matvec(w2, F.IQ2_XXS, x).astype(np.float64) - ref)
+    assert err[1] > TD.f32_sum_bound(F.IQ2_XXS, 4096, mag)[1]
+    assert np.all(err[[0, 2, 3]] <= TD.f32_sum_bound(F.IQ2_XXS, 4096, mag)[[0, 2, 3]])
+
+
+def test_matvec_accepts_unaligned_bytes():
+    """Weights straight out of an mmap need no alignment: an odd byte offset gives the same rows."""
+    rng = _rng(8)
+    for t, K in ((F.Q8_0, 64), (F.F16, 10), (F.F32, 9), (F.IQ2_XXS, 256)):
+        w = TD.random_weights(t, (3, K), rng)
+        buf = np.zeros(w.size + 1, np.uint8)
+        buf[1:] = w.ravel()
+        w_odd = buf[1:].reshape(w.shape)
+        x = rng.standard_normal(K).astype(np.float32)
+        assert np.array_equal(cpu.matvec(w_odd, t, x), cpu.matvec(w, t, x))
+
+
+# ---------------------------------------------------------------------------- matmul == matvec
+
+@pytest.mark.parametrize("t", TYPES, ids=[F.TYPE_NAMES[t] for t in TYPES])
+def test_matmul_rows_equal_matvec(t):
+    rng = _rng(9 + t)
+    rows, K = {F.Q8_0: (37, 512), F.F16: (37, 300), F.F32: (11, 100)}.get(t, (37, 768))
+    w = TD.random_weights(t, (rows, K), rng)
+    X = rng.standard_normal((5, K)).astype(np.float32)
+    X[2] *= 50                                 # tokens of very different scale
+    Y = cpu.matmul(w, t, X)
+    for i in range(len(X)):
+        assert np.array_equal(Y[i], cpu.matvec(w, t, X[i]))
+
+
+# ------------------------------------------------------------------------------------------ MoE
+
+def _moe_case(rng, n_exp, n_embd, n_ff, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
+    gate = TD.random_weights(gate_type, (n_exp, n_ff, n_embd), rng)
+    up = TD.random_weights(gate_type, (n_exp, n_ff, n_embd), rng)
+    down = TD.random_weights(down_type, (n_exp, n_embd, n_ff), rng)
+    return gate, up, down
+
+
+@pytest.mark.parametrize("clamp", [10.0, 0.4])
+def test_moe_against_float64_reference(clamp):
+    """Tolerance: g and u carry f32 rounding (~1e-6), which can flip a rare rounding tie in the
+    Q8_K quantization of mid (one q off by one, ~3e-4 of an output), hence 2e-3 of the norm.
+    clamp=0.4 makes the SwiGLU clamp bind on most rows."""
+    rng = _rng(11)
+    n_exp, n_embd, n_ff = 8, 512, 256
+    gate, up, down = _moe_case(rng, n_exp, n_embd, n_ff)
+    x = rng.standard_normal(n_embd).astype(np.float32)
+    ids = np.array([5, 0, 7], np.int32)
+    rw = np.array([0.7, 0.2, 0.6], np.float32)
+    y = cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, ids, rw, clamp)
+    ref = TD.reference_moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, ids, rw, clamp)
+    assert np.linalg.norm(y - ref) <= 2e-3 * np.linalg.norm(ref)
+    # the result depends on the clamp, the route weights and the expert choice
+    assert np.linalg.norm(cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, ids, rw * 2, clamp) - 2 * ref) \
+        <= 4e-3 * np.linalg.norm(ref)
+    other = cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, np.array([5, 1, 7], np.int32), rw, clamp)
+    assert np.linalg.norm(other - ref) > 0.05 * np.linalg.norm(ref)
+
+
+def test_moe_flash_shape():
+    rng = _rng(12)
+    gate, up, down = _moe_case(rng, 7, 4096, 2048)
+    x = rng.standard_normal(4096).astype(np.float32)
+    ids = np.array([3, 6, 0, 1, 5, 2], np.int32)
+    rw = rng.uniform(0.05, 0.5, 6).astype(np.float32)
+    y = cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, ids, rw, 10.0)
+    ref = TD.reference_moe(gate, up, down, F.IQ2_XXS, F.Q2_K, x, ids, rw, 10.0)
+    assert np.linalg.norm(y - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+def test_moe_q4_k_experts():
+    rng = _rng(13)
+    gate, up, down = _moe_case(rng, 4, 512, 256, F.Q4_K, F.Q4_K)
+    x = rng.standard_normal(512).astype(np.float32)
+    ids = np.array([2, 0], np.int32)
+    rw = np.array([0.5, 0.9], np.float32)
+    y = cpu.moe(gate, up, down, F.Q4_K, F.Q4_K, x, ids, rw, 10.0)
+    ref = TD.reference_moe(gate, up, down, F.Q4_K, F.Q4_K, x, ids, rw, 10.0)
+    assert np.linalg.norm(y - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+def test_moe_batch_rows_equal_moe():
+    rng = _rng(14)
+    gate, up, down = _moe_case(rng, 8, 512, 256)
+    X = rng.standard_normal((4, 512)).astype(np.float32)
+    ids = np.array([[1, 2, 3], [7, 1, 0], [3, 3, 4], [6, 5, 2]], np.int32)
+    rw = rng.uniform(0.1, 1.0, (4, 3)).astype(np.float32)
+    Y = cpu.moe_batch(gate, up, down, F.IQ2_XXS, F.Q2_K, X, ids, rw, 10.0)
+    for t in range(4):
+        assert np.array_equal(Y[t], cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, X[t], ids[t], rw[t], 10.0))
