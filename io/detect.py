@@ -374,6 +374,8 @@ def _auto_choice(outcomes: dict, request: Request) -> Decision:
         if regime == "device" and (request.no_model_copy or d.warnings):
             continue            # a device plan that would fall back to host-mapped is never automatic
         return d
+    if request.expert_cache_slots is not None or request.expert_cache_bytes is not None:
+        raise outcomes["stream"]    # the user's own cache size is what does not fit: say so
     return replace(cpu, reasons=("no GPU regime fits: " + str(outcomes["stream"]),) + cpu.reasons)
 
 
