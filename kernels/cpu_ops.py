@@ -1,0 +1,450 @@
+"""Numba CPU kernels for every non-matmul op of the DS4 forward (ds4-model.md §5, §6).
+
+These are the CPU twins the GPU engine mirrors: f32 in, f32 out, with ds4's numerics where they
+matter (Σx² of RMS norms in double, exact power-of-two QAT scales, round-half-even, f16-rounded
+cache rows). The quantized matvecs live in kernels/cpu.py.
+
+Every batched op takes a leading token axis `n`; decode is n = 1. Ops that loop over heads or rows
+use prange only where the work is big enough to pay for the threads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+NEG_INF = np.float32(-1e30)
+EMPTY_WINDOW = np.float32(-5e29)
+EXPERT_SUM_FLOOR = np.float32(2.0 ** -14)
+FP8_MAX, FP8_AMAX_FLOOR, FP8_BLOCK = 448.0, 1e-4, 64
+FP4_MAX, FP4_AMAX_FLOOR, FP4_BLOCK = 6.0, 7.052966104933725e-38, 32
+FP4_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+jit = njit(cache=True, fastmath=False, error_model="numpy")
+pjit = njit(cache=True, fastmath=False, error_model="numpy", parallel=True)
+
+
+# ---- scalars -----------------------------------------------------------------------------------
+
+@jit
+def f16_round(v):
+    """v (f32) rounded to the nearest f16 value (ties to even), returned as f32; ±inf past 65504."""
+    a = abs(v)
+    if a != a or a == 0.0:
+        return v
+    if a >= 65520.0:
+        return np.float32(math.copysign(math.inf, v))
+    if a < 6.103515625e-05:                     # f16 subnormals: a fixed step of 2^-24
+        step = 5.960464477539063e-08
+    else:
+        m, e = math.frexp(a)                    # a = m·2^e, m in [0.5, 1)
+        step = math.ldexp(1.0, e - 11)          # 10 mantissa bits below the leading one
+    return np.float32(math.copysign(np.rint(a / step) * step, v))
+
+
+@jit
+def pow2_ceil(y):
+    """2^ceil(log2(y)) for y > 0, exact (frexp, no rounded log2)."""
+    m, e = math.frexp(y)
+    return math.ldexp(1.0, e - 1 if m == 0.5 else e)
+
+
+@jit
+def sigmoid(z):
+    return np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
+
+
+@jit
+def softplus(z):
+    if z > 20.0:
+        return z
+    if z < -20.0:
+        return np.float32(math.exp(z))
+    return np.float32(math.log1p(math.exp(z)))
+
+
+# ---- cache rows ------------------------------------------------------------------------------------
+
+@jit
+def f16_round_inplace(x):
+    for i in range(x.size):
+        x.flat[i] = f16_round(x.flat[i])
+
+
+@jit
+def fp8_e4m3_sim_inplace(x, n):
+    """FP8 E4M3 simulation of x[:n] in blocks of 64 (§6.9): power-of-two block scale, nearest
+    finite E4M3 value with ties to the even mantissa."""
+    for b in range(0, n, FP8_BLOCK):
+        amax = np.float32(0.0)
+        for i in range(b, b + FP8_BLOCK):
+            amax = max(amax, abs(x[i]))
+        s = pow2_ceil(max(np.float32(amax), np.float32(FP8_AMAX_FLOOR)) / np.float32(FP8_MAX))
+        for i in range(b, b + FP8_BLOCK):
+            v = min(max(x[i] / s, -FP8_MAX), FP8_MAX)
+            a = abs(v)
+            if a > 0.0:
+                m, e = math.frexp(a)
+                step = math.ldexp(1.0, max(e - 1, -6) - 3)   # 3 mantissa bits; subnormal below 2^-6
+                a = np.rint(a / step) * step
+            x[i] = np.float32(math.copysign(a, v) * s)
+
+
+@jit
+def fp4_e2m1_sim_inplace(x):
+    """FP4 E2M1 simulation in blocks of 32: nearest of {0,.5,1,1.5,2,3,4,6}, ties to even index."""
+    for b in range(0, x.size, FP4_BLOCK):
+        amax = np.float32(0.0)
+        for i in range(b, b + FP4_BLOCK):
+            amax = max(amax, abs(x[i]))
+        s = pow2_ceil(max(np.float32(amax), np.float32(FP4_AMAX_FLOOR)) / np.float32(FP4_MAX))
+        for i in range(b, b + FP4_BLOCK):
+            v = min(max(x[i] / s, -FP4_MAX), FP4_MAX)
+            a = abs(v)
+            best, best_d = 0, abs(a - FP4_GRID[0])
+            for k in range(1, 8):
+                d = abs(a - FP4_GRID[k])
+                if d < best_d or (d == best_d and k % 2 == 0):
+                    best, best_d = k, d
+            x[i] = np.float32(math.copysign(FP4_GRID[best], v) * s)
+
+
+@jit
+def hadamard_inplace(x):
+    """Unnormalised Walsh–Hadamard butterfly (strides 1, 2, …, n/2), then × 1/√n."""
+    n = x.size
+    stride = 1
+    while stride < n:
+        for start in range(0, n, 2 * stride):
+            for i in range(start, start + stride):
+                a, b = x[i], x[i + stride]
+                x[i], x[i + stride] = a + b, a - b
+        stride *= 2
+    scale = np.float32(1.0 / math.sqrt(n))
+    for i in range(n):
+        x[i] *= scale
+
+
+@jit
+def indexer_qat_rows(x):
+    """Hadamard then FP4 on every row of x [rows, idx_dim] (indexer queries and rows)."""
+    for r in range(x.shape[0]):
+        hadamard_inplace(x[r])
+        fp4_e2m1_sim_inplace(x[r])
+
+
+# ---- norms -----------------------------------------------------------------------------------------
+
+@jit
+def rms_scale(x, eps):
+    """ds4's RMS scale: Σx² in double, then 1/sqrtf((float)(ss/n) + eps) in f32."""
+    ss = 0.0
+    for i in range(x.size):
+        ss += np.float64(x[i]) * np.float64(x[i])
+    return np.float32(1.0) / np.float32(math.sqrt(np.float32(ss / x.size) + np.float32(eps)))
+
+
+@jit
+def rms_norm_rows(x, weight, eps):
+    """out[t] = x[t]·scale(x[t])·weight for x [n, dim]."""
+    out = np.empty_like(x)
+    for t in range(x.shape[0]):
+        s = rms_scale(x[t], eps)
+        for i in range(x.shape[1]):
+            out[t, i] = x[t, i] * s * weight[i]
+    return out
+
+
+@jit
+def rms_norm_heads_inplace(x, eps):
+    """Weightless RMS norm of every head: x [n, n_head, head_dim]."""
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            s = rms_scale(x[t, h], eps)
+            for i in range(x.shape[2]):
+                x[t, h, i] *= s
+
+
+# ---- RoPE (§6.7) -----------------------------------------------------------------------------------
+
+@jit
+def rope_cos_sin(pos, n_rot, base, yarn_factor, ramp):
+    """cos/sin of every pair's angle at pos, computed in double and stored as f32. With a YaRN
+    ramp (compressed layers) θ = θ/factor·(1−ramp) + θ·ramp; `ramp` is empty for dense layers."""
+    half = n_rot // 2
+    c = np.empty(half, dtype=np.float32)
+    s = np.empty(half, dtype=np.float32)
+    for k in range(half):
+        theta = pos * base ** (-2.0 * k / n_rot)
+        if ramp.size:
+            theta = theta / yarn_factor * (1.0 - ramp[k]) + theta * ramp[k]
+        c[k] = math.cos(theta)
+        s[k] = math.sin(theta)
+    return c, s
+
+
+@jit
+def rope_tail_inplace(x, pos, n_rot, base, yarn_factor, ramp, inverse):
+    """Rotate the interleaved pairs of the last n_rot dims of every row of x [rows, dim]."""
+    c, s = rope_cos_sin(pos, n_rot, base, yarn_factor, ramp)
+    if inverse:
+        s = -s
+    off = x.shape[1] - n_rot
+    for r in range(x.shape[0]):
+        for k in range(n_rot // 2):
+            x0, x1 = x[r, off + 2 * k], x[r, off + 2 * k + 1]
+            x[r, off + 2 * k] = x0 * c[k] - x1 * s[k]
+            x[r, off + 2 * k + 1] = x0 * s[k] + x1 * c[k]
+
+
+@jit
+def rope_tokens_inplace(x, pos0, n_rot, base, yarn_factor, ramp, inverse):
+    """x [n, rows, dim]: token t sits at position pos0 + t."""
+    for t in range(x.shape[0]):
+        rope_tail_inplace(x[t], pos0 + t, n_rot, base, yarn_factor, ramp, inverse)
+
+
+# ---- hyper-connections (§6.2, §6.3, §6.12) ---------------------------------------------------------
+
+@jit
+def hc_flat_norm_rows(X, eps):
+    """X [n, n_hc, n_embd] -> flat [n, n_hc·n_embd] scaled by its RMS (no weight)."""
+    n = X.shape[0]
+    flat = X.reshape(n, X.shape[1] * X.shape[2]).copy()
+    for t in range(n):
+        s = rms_scale(flat[t], eps)
+        for i in range(flat.shape[1]):
+            flat[t, i] *= s
+    return flat
+
+
+@jit
+def hc_split_sinkhorn_rows(mix, scale, base, n_hc, n_iter, eps):
+    """mix [n, (2+n_hc)·n_hc] -> pre [n, n_hc], post [n, n_hc], comb [n, n_hc, n_hc] (comb[i, j])."""
+    n = mix.shape[0]
+    pre = np.empty((n, n_hc), dtype=np.float32)
+    post = np.empty((n, n_hc), dtype=np.float32)
+    comb = np.empty((n, n_hc, n_hc), dtype=np.float32)
+    one = np.float32(1.0)
+    for t in range(n):
+        for i in range(n_hc):
+            pre[t, i] = sigmoid(mix[t, i] * scale[0] + base[i]) + eps
+            post[t, i] = np.float32(2.0) * sigmoid(mix[t, n_hc + i] * scale[1] + base[n_hc + i])
+        c = comb[t]
+        for i in range(n_hc):
+            m = NEG_INF
+            for j in range(n_hc):
+                c[i, j] = mix[t, 2 * n_hc + i * n_hc + j] * scale[2] + base[2 * n_hc + i * n_hc + j]
+                m = max(m, c[i, j])
+            total = np.float32(0.0)
+            for j in range(n_hc):
+                c[i, j] = np.float32(math.exp(c[i, j] - m))
+                total += c[i, j]
+            for j in range(n_hc):
+                c[i, j] = c[i, j] / total + eps
+        _normalize_columns(c, eps)
+        for _ in range(n_iter - 1):
+            for i in range(n_hc):
+                total = np.float32(0.0)
+                for j in range(n_hc):
+                    total += c[i, j]
+                for j in range(n_hc):
+                    c[i, j] = c[i, j] / (total + eps)
+            _normalize_columns(c, eps)
+    return pre, post, comb
+
+
+@jit
+def _normalize_columns(c, eps):
+    for j in range(c.shape[1]):
+        total = np.float32(0.0)
+        for i in range(c.shape[0]):
+            total += c[i, j]
+        for i in range(c.shape[0]):
+            c[i, j] = c[i, j] / (total + eps)
+
+
+@jit
+def hc_reduce_rows(weights, X):
+    """y[t] = Σ_h weights[t, h]·X[t, h]."""
+    n, n_hc, n_embd = X.shape
+    y = np.zeros((n, n_embd), dtype=np.float32)
+    for t in range(n):
+        for h in range(n_hc):
+            for i in range(n_embd):
+                y[t, i] += weights[t, h] * X[t, h, i]
+    return y
+
+
+@jit
+def hc_post_rows(f, X, post, comb):
+    """X_new[t, j] = post[t, j]·f[t] + Σ_i comb[t, i, j]·X[t, i]."""
+    n, n_hc, n_embd = X.shape
+    out = np.empty_like(X)
+    for t in range(n):
+        for j in range(n_hc):
+            for d in range(n_embd):
+                acc = post[t, j] * f[t, d]
+                for i in range(n_hc):
+                    acc += comb[t, i, j] * X[t, i, d]
+                out[t, j, d] = acc
+    return out
+
+
+@jit
+def hc_head_weights(pre, scale, base, eps):
+    """Output-head collapse weights a[t, h] = sigmoid(pre·scale + base) + eps."""
+    a = np.empty_like(pre)
+    for t in range(pre.shape[0]):
+        for h in range(pre.shape[1]):
+            a[t, h] = sigmoid(pre[t, h] * scale + base[h]) + eps
+    return a
+
+
+# ---- attention (§6.5, §6.6) -----------------------------------------------------------------------
+
+@pjit
+def sink_attention(q, raw, raw_start, n_raw, comp, comp_ids, sinks, scale):
+    """q [n_head, hd] over the raw ring rows raw[(raw_start + r) % cap], r < n_raw, and the
+    compressed rows comp[comp_ids]. K = V = the row; the sink joins the denominator only."""
+    n_head, hd = q.shape
+    cap = raw.shape[0]
+    n_rows = n_raw + comp_ids.size
+    out = np.empty((n_head, hd), dtype=np.float32)
+    for h in prange(n_head):
+        scores = np.empty(n_rows, dtype=np.float32)
+        m = sinks[h]
+        for r in range(n_rows):
+            row = raw[(raw_start + r) % cap] if r < n_raw else comp[comp_ids[r - n_raw]]
+            acc = np.float32(0.0)
+            for i in range(hd):
+                acc += q[h, i] * row[i]
+            scores[r] = acc * scale
+            m = max(m, scores[r])
+        den = np.float32(math.exp(sinks[h] - m))
+        acc_o = np.zeros(hd, dtype=np.float32)
+        for r in range(n_rows):
+            row = raw[(raw_start + r) % cap] if r < n_raw else comp[comp_ids[r - n_raw]]
+            e = np.float32(math.exp(scores[r] - m))
+            den += e
+            for i in range(hd):
+                acc_o[i] += e * row[i]
+        for i in range(hd):
+            out[h, i] = acc_o[i] / den
+    return out
+
+
+# ---- compressor (§6.8) -----------------------------------------------------------------------------
+
+@jit
+def compressor_store(kv_state, score_state, kv_t, sc_t, ape_row, ratio, pos):
+    """Write this token's kv and score (+ absolute position embedding) into its state row."""
+    row = 4 + pos % 4 if ratio == 4 else pos % ratio
+    for i in range(kv_t.size):
+        kv_state[row, i] = kv_t[i]
+        score_state[row, i] = sc_t[i] + ape_row[i]
+
+
+@jit
+def compressor_pool(kv_state, score_state, ratio, dim):
+    """Softmax-pool the window per dim (ratio 4: 4 previous rows through the first half of the
+    columns + 4 current rows through the second half). An all-masked dim pools to 0."""
+    pooled = np.empty(dim, dtype=np.float32)
+    n_cand = 8 if ratio == 4 else ratio
+    for j in range(dim):
+        m = NEG_INF
+        for r in range(n_cand):
+            col = j + dim if (ratio == 4 and r >= 4) else j
+            m = max(m, score_state[r, col])
+        if m <= EMPTY_WINDOW:
+            pooled[j] = 0.0
+            continue
+        den = np.float32(0.0)
+        acc = np.float32(0.0)
+        for r in range(n_cand):
+            col = j + dim if (ratio == 4 and r >= 4) else j
+            e = np.float32(math.exp(score_state[r, col] - m))
+            den += e
+            acc += e * kv_state[r, col]
+        pooled[j] = acc / den
+    return pooled
+
+
+@jit
+def compressor_shift(kv_state, score_state):
+    """Ratio 4 after an emit: the current window (rows 4..7) becomes the previous one."""
+    for r in range(4):
+        for i in range(kv_state.shape[1]):
+            kv_state[r, i] = kv_state[r + 4, i]
+            score_state[r, i] = score_state[r + 4, i]
+
+
+# ---- indexer (§6.10) -------------------------------------------------------------------------------
+
+@pjit
+def indexer_scores(rows, n_rows, iq, head_w):
+    """score[c] = Σ_h head_w[h]·max(0, rows[c]·iq[h]) for c < n_rows."""
+    n_ihead, d = iq.shape
+    scores = np.empty(n_rows, dtype=np.float32)
+    for c in prange(n_rows):
+        total = np.float32(0.0)
+        for h in range(n_ihead):
+            acc = np.float32(0.0)
+            for i in range(d):
+                acc += rows[c, i] * iq[h, i]
+            if acc > 0.0:
+                total += head_w[h] * acc
+        scores[c] = total
+    return scores
+
+
+@jit
+def topk_desc(values, k):
+    """Indices of the k largest values, largest first, ties to the lower index."""
+    order = np.argsort(-values, kind="mergesort")     # stable: equal values keep index order
+    return order[:k].copy()
+
+
+# ---- router (§6.11) --------------------------------------------------------------------------------
+
+@jit
+def router_weights(logits, expert_ids, scale, normalize):
+    """Unbiased sqrt-softplus probabilities of the chosen experts, normalised (floor 2^-14), scaled."""
+    n_used = expert_ids.size
+    w = np.empty(n_used, dtype=np.float32)
+    total = np.float32(0.0)
+    for k in range(n_used):
+        w[k] = np.float32(math.sqrt(softplus(logits[expert_ids[k]])))
+        total += w[k]
+    div = max(total, EXPERT_SUM_FLOOR) if normalize else np.float32(1.0)
+    for k in range(n_used):
+        w[k] = w[k] / div * np.float32(scale)
+    return w
+
+
+@jit
+def router_topk(logits, bias, n_used):
+    """Experts picked by sqrt-softplus probability + bias (bias empty: none)."""
+    sel = np.empty(logits.size, dtype=np.float32)
+    for e in range(logits.size):
+        sel[e] = np.float32(math.sqrt(softplus(logits[e])))
+        if bias.size:
+            sel[e] += bias[e]
+    return topk_desc(sel, n_used).astype(np.int32)
+
+
+# ---- FFN pieces ------------------------------------------------------------------------------------
+
+@jit
+def swiglu_clamped_rows(g, u, clamp):
+    """silu(min(g, clamp))·clamp(u, ±clamp), row-wise; the shared expert's middle."""
+    out = np.empty_like(g)
+    for t in range(g.shape[0]):
+        for i in range(g.shape[1]):
+            gv = min(g[t, i], np.float32(clamp))
+            uv = min(max(u[t, i], np.float32(-clamp)), np.float32(clamp))
+            out[t, i] = gv * sigmoid(gv) * uv
+    return out
