@@ -197,7 +197,7 @@ def _arena_views(arena):
     key = (iface["data"][0], arena.size)
     views = _VIEW_CACHE.get(key)
     if views is None:
-        a = arena if isinstance(arena, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(arena)
+        a = arena if hasattr(arena, "gpu_data") else cuda.as_cuda_array(arena)
         if a.dtype != np.uint8 or a.ndim != 1:
             raise TypeError("arena must be a 1-D uint8 device array")
         n = a.size
@@ -762,11 +762,11 @@ def _dummy_i32():
 
 def _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, arena_bytes):
     name = F.TYPE_NAMES[wtype]
-    if K % 256 or off % 4:
-        raise ValueError(f"{name}: K must be a multiple of 256 and the offset of 4")
     rb = F.row_bytes(wtype, K)
-    if rb % 4:
-        raise ValueError(f"{name}: rows of {rb} bytes are not 4-byte aligned (K = {K})")
+    # IQ2_XXS is read as uint16 (2-byte alignment is enough); Q2_K and Q4_K as uint32
+    align = 2 if wtype == F.IQ2_XXS else 4
+    if K % 256 or off % align or rb % align:
+        raise ValueError(f"{name}: K must be a multiple of 256, offset and row size of {align}")
     if xq.size != n_tok * K or xd.size != n_tok * (K // 256) or out.size != n_tok * rows:
         raise ValueError(f"{name}: activation or output size does not match (n_tok, K, rows)")
     if wtype != F.IQ2_XXS and (bsums is None or bsums.size != n_tok * (K // 16)):

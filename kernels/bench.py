@@ -1,0 +1,475 @@
+"""Kernel benchmark on the GPU: decode matvecs of the DeepSeek-V4-Flash shapes, the routed MoE,
+one layer's decode kernels as one captured graph, and 2048-token prefill matmuls.
+
+Method (see /work/.library/device/METHOD.md): the ceiling is a device-to-device copy measured in
+the same run (bytes read + written). Every decode kernel is captured into a CUDA graph (cuda.core
+GraphBuilder) and replayed, so launch overhead is gone; each graph runs the kernel over enough
+distinct weight copies (>= 256 MB, several times the 50 MB L2) that replays read HBM, not L2.
+Times are the median over replays, measured with CUDA events. Weights are random valid blocks
+generated on the GPU (random bytes, sane f16 scales), activations random normal.
+"""
+
+import json
+import math
+import time
+
+import numpy as np
+
+from . import compat  # noqa: F401
+from . import formats as F
+
+ROT_BYTES = 256 << 20          # weight bytes per graph, to defeat the L2
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+# ------------------------------------------------------------------------------ GPU helpers
+
+def _kernels():
+    cuda = _cuda()
+    from numba import uint32, uint64
+
+    @cuda.jit
+    def fill_random(a32, seed):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        for k in range(i, a32.size, stride):
+            h = uint32((uint64(k) * uint64(2654435761) + uint64(seed)) & uint64(0xFFFFFFFF))
+            h ^= h >> uint32(15)
+            h = uint32((uint64(h) * uint64(0x2C1B3C6D)) & uint64(0xFFFFFFFF))
+            h ^= h >> uint32(12)
+            h = uint32((uint64(h) * uint64(0x297A2D39)) & uint64(0xFFFFFFFF))
+            h ^= h >> uint32(15)
+            a32[k] = h
+
+    @cuda.jit
+    def set_f16_fields(a16, first_h, n_blocks, block_h, field_h, bits):
+        i = cuda.grid(1)
+        if i < n_blocks:
+            a16[first_h + i * block_h + field_h] = bits
+
+    @cuda.jit
+    def sane_f16(a16, first_h, n):
+        # keep sign and mantissa, force the exponent to 2^-7: |w| in [1/128, 1/64)
+        i = cuda.grid(1)
+        if i < n:
+            v = a16[first_h + i]
+            a16[first_h + i] = (v & 0x83FF) | 0x2000
+
+    @cuda.jit
+    def copy16(src, dst):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        for k in range(i, src.size, stride):
+            dst[k] = src[k]
+
+    return fill_random, set_f16_fields, sane_f16, copy16
+
+
+def _f16_bits(v):
+    return int(np.array([v], np.float16).view(np.uint16)[0])
+
+
+class Arena:
+    """A device arena of random bytes; tensors get valid scale fields via `place`."""
+
+    def __init__(self, nbytes, seed=1):
+        cuda = _cuda()
+        self.fill, self.set_fields, self.sane, _ = _kernels()
+        self.nbytes = (nbytes + 4095) // 4096 * 4096
+        self.buf = cuda.device_array(self.nbytes, np.uint8)
+        a32 = self.buf.view(np.uint32)
+        self.fill[1024, 256](a32, seed)
+        self.a16 = self.buf.view(np.uint16)
+        self.pos = 0
+
+    def place(self, ggml_type, rows, K, sigma=None):
+        """Reserve a (rows, K) tensor, make its scales sane; returns its byte offset."""
+        nbytes = rows * F.row_bytes(ggml_type, K)
+        off = (self.pos + 255) // 256 * 256
+        if off + nbytes > self.nbytes:
+            raise MemoryError("arena too small")
+        self.pos = off + nbytes
+        sigma = 1.0 / math.sqrt(K) if sigma is None else sigma
+        h0 = off // 2
+        if ggml_type == F.F16:
+            n = rows * K
+            self.sane[(n + 255) // 256, 256](self.a16, h0, n)
+            return off
+        fields = {F.Q8_0: ((0, 74.0),), F.IQ2_XXS: ((0, 55.0),), F.Q2_K: ((40, 12.0), (41, 8.0)),
+                  F.Q4_K: ((0, 140.0), (1, 230.0))}[ggml_type]
+        nblk = rows * (K // F.block_size(ggml_type))
+        block_h = F.block_bytes(ggml_type) // 2
+        for field_h, div in fields:
+            self.set_fields[(nblk + 255) // 256, 256](self.a16, h0, nblk, block_h, field_h,
+                                                      _f16_bits(sigma / div))
+        return off
+
+
+def _event_options():
+    from cuda.core import EventOptions
+    try:
+        return EventOptions(timing_enabled=True)
+    except TypeError:
+        return EventOptions(enable_timing=True)
+
+
+def _elapsed_ms(e0, e1):
+    return float(e1 - e0)
+
+
+class Timer:
+    def __init__(self):
+        from cuda.core import Device
+        self.dev = Device()
+        self.dev.set_current()
+        self.stream = self.dev.create_stream()
+        self.opt = _event_options()
+
+    def graph(self, launch):
+        """Capture launch(graph_builder) into an executable graph."""
+        _cuda().synchronize()
+        gb = self.stream.create_graph_builder()
+        gb.begin_building()
+        launch(gb)
+        gb.end_building()
+        g = gb.complete()
+        g.upload(self.stream)
+        return g
+
+    def time_graph(self, g, reps=30):
+        g.launch(self.stream)                  # warm-up
+        self.stream.sync()
+        times = []
+        for _ in range(reps):
+            e0 = self.stream.record(options=self.opt)
+            g.launch(self.stream)
+            e1 = self.stream.record(options=self.opt)
+            e1.sync()
+            times.append(_elapsed_ms(e0, e1))
+        return float(np.median(times)), float(np.min(times))
+
+    def time_eager(self, launch, reps=5):
+        launch(self.stream)
+        self.stream.sync()
+        times = []
+        for _ in range(reps):
+            e0 = self.stream.record(options=self.opt)
+            launch(self.stream)
+            e1 = self.stream.record(options=self.opt)
+            e1.sync()
+            times.append(_elapsed_ms(e0, e1))
+        return float(np.median(times))
+
+
+def copy_bandwidth(timer, nbytes=2 << 30):
+    """Device-to-device copy through a Numba kernel (16-byte elements): (bytes read+written)/s."""
+    cuda = _cuda()
+    _, _, _, copy16 = _kernels()
+    n = nbytes // 16
+    src = cuda.device_array(n, np.complex128)
+    dst = cuda.device_array(n, np.complex128)
+    found = {}
+    for blocks in (132 * 4, 132 * 8, 132 * 16):
+        g = timer.graph(lambda s: copy16[blocks, 256, s](src, dst))
+        med, _ = timer.time_graph(g, reps=10)
+        found[f"numba copy kernel, {blocks} blocks"] = 2 * nbytes / (med * 1e-3)
+    try:   # the driver's own device-to-device copy (cuMemcpyDtoDAsync)
+        g = timer.graph(lambda s: dst.copy_to_device(src, stream=s))
+        med, _ = timer.time_graph(g, reps=10)
+        found["driver memcpy DtoD"] = 2 * nbytes / (med * 1e-3)
+    except Exception as e:  # pragma: no cover - depends on the numba/cuda.core versions
+        found[f"driver memcpy DtoD failed: {type(e).__name__}"] = 0.0
+    del src, dst
+    return max(found.values()), found
+
+
+# ------------------------------------------------------------------------------------ shapes
+
+DENSE_SHAPES = [
+    # name, type, rows, K
+    ("attn_q_a 4096->1024", F.Q8_0, 1024, 4096),
+    ("attn_q_b 1024->32768", F.Q8_0, 32768, 1024),
+    ("attn_kv 4096->512", F.Q8_0, 512, 4096),
+    ("attn_out_a 4096->8192 (one launch)", F.Q8_0, 8192, 4096),
+    ("attn_out_a group 4096->1024 (x8)", F.Q8_0, 1024, 4096),
+    ("attn_out_b 8192->4096", F.Q8_0, 4096, 8192),
+    ("shared gate/up 4096->2048", F.Q8_0, 2048, 4096),
+    ("shared down 2048->4096", F.Q8_0, 4096, 2048),
+    ("output head 4096->129280", F.Q8_0, 129280, 4096),
+    ("router F16 4096->256", F.F16, 256, 4096),
+    ("expert gate IQ2_XXS 4096->2048 (1 expert)", F.IQ2_XXS, 2048, 4096),
+    ("expert down Q2_K 2048->4096 (1 expert)", F.Q2_K, 4096, 2048),
+]
+
+
+class _Act:
+    """Device activation buffers for n_tok tokens of width K, quantized for type t."""
+
+    def __init__(self, t, n_tok, K, rng):
+        from . import cuda as CK
+        cuda = _cuda()
+        self.x = cuda.to_device(rng.standard_normal((n_tok, K)).astype(np.float32))
+        self.xq = cuda.device_array(n_tok * K, np.int8)
+        self.xd = cuda.device_array(n_tok * K // 32, np.float32)
+        self.bs = cuda.device_array(max(1, n_tok * K // 16), np.int32)
+        if t == F.Q8_0:
+            CK.quantize_q8_0(self.x, self.xq, self.xd)
+        elif t in (F.IQ2_XXS, F.Q2_K, F.Q4_K):
+            self.xd = cuda.device_array(n_tok * K // 256, np.float32)
+            CK.quantize_q8_k(self.x, self.xq, self.xd, self.bs)
+        cuda.synchronize()
+
+
+def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s):
+    from . import cuda as CK
+    if t == F.Q8_0:
+        CK.matmul_q8_0(arena, off, rows, K, n_tok, act.xq, act.xd, out, s)
+    elif t == F.F16:
+        CK.matmul_f16(arena, off, rows, K, n_tok, act.x, out, s)
+    elif t == F.IQ2_XXS:
+        CK.matmul_iq2_xxs(arena, off, rows, K, n_tok, act.xq, act.xd, out, s)
+    elif t == F.Q2_K:
+        CK.matmul_q2_k(arena, off, rows, K, n_tok, act.xq, act.xd, act.bs, out, s)
+    else:
+        CK.matmul_q4_k(arena, off, rows, K, n_tok, act.xq, act.xd, act.bs, out, s)
+
+
+def bench_dense(timer, copy_bw, rng, log):
+    cuda = _cuda()
+    rows_out = []
+    for name, t, rows, K in DENSE_SHAPES:
+        wbytes = rows * F.row_bytes(t, K)
+        copies = max(1, math.ceil(ROT_BYTES / wbytes))
+        arena = Arena(copies * (wbytes + 256) + 4096, seed=rows + K)
+        offs = [arena.place(t, rows, K) for _ in range(copies)]
+        act = _Act(t, 1, K, rng)
+        out = cuda.device_array(rows, np.float32)
+
+        def launch(s):
+            for off in offs:
+                _launch_matmul(t, arena.buf, off, rows, K, 1, act, out, s)
+
+        _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0)   # compile outside capture
+        g = timer.graph(launch)
+        med, best = timer.time_graph(g)
+        us = med * 1e3 / copies
+        gbs = wbytes / (us * 1e-6) / 1e9
+        r = dict(name=name, type=F.TYPE_NAMES[t], rows=rows, K=K, weight_MB=wbytes / 1e6,
+                 us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies)
+        rows_out.append(r)
+        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %")
+        del arena
+    return rows_out
+
+
+def _moe_setup(rng, n_exp=256, n_embd=4096, n_ff=2048, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
+    gu_bytes = n_ff * F.row_bytes(gate_type, n_embd)
+    d_bytes = n_embd * F.row_bytes(down_type, n_ff)
+    arena = Arena(n_exp * (2 * gu_bytes + d_bytes) + 3 * 4096, seed=7)
+    og = arena.place(gate_type, n_exp * n_ff, n_embd)
+    ou = arena.place(gate_type, n_exp * n_ff, n_embd)
+    od = arena.place(down_type, n_exp * n_embd, n_ff, sigma=1 / math.sqrt(n_ff))
+    return dict(arena=arena, og=og, ou=ou, od=od, stride_gu=gu_bytes, stride_d=d_bytes,
+                bytes_per_expert=2 * gu_bytes + d_bytes, n_exp=n_exp, n_embd=n_embd, n_ff=n_ff,
+                gate_type=gate_type, down_type=down_type)
+
+
+class _MoEStep:
+    """Device buffers of one decode MoE call (its own expert ids, weights, x, output)."""
+
+    def __init__(self, moe, rng, n_used=6):
+        from . import cuda as CK
+        cuda = _cuda()
+        self.moe = moe
+        ids = rng.choice(moe["n_exp"], n_used, replace=False).astype(np.int32)
+        self.ids = cuda.to_device(ids)
+        self.rw = cuda.to_device(rng.uniform(0.05, 0.5, n_used).astype(np.float32))
+        self.x = cuda.to_device(rng.standard_normal(moe["n_embd"]).astype(np.float32))
+        self.slot_off = cuda.device_array((n_used, 3), np.int64)
+        self.out = cuda.device_array(moe["n_embd"], np.float32)
+        self.ws = CK.MoEWorkspace(n_used, moe["n_embd"], moe["n_ff"])
+
+    def offsets(self, s):
+        from . import cuda as CK
+        m = self.moe
+        CK.expert_offsets(self.ids, m["og"], m["ou"], m["od"], m["stride_gu"], m["stride_d"],
+                          self.slot_off, s)
+
+    def full(self, s):
+        from . import cuda as CK
+        m = self.moe
+        self.offsets(s)
+        CK.moe_decode(m["arena"].buf, self.slot_off, m["gate_type"], m["down_type"], self.x,
+                      self.rw, 10.0, self.out, self.ws, s)
+
+    def gate_up(self, s):
+        from . import cuda as CK
+        m = self.moe
+        CK.moe_gate_up(m["arena"].buf, self.slot_off, m["gate_type"], m["n_embd"], m["n_ff"],
+                       self.ws.xq, self.ws.xd, self.rw, 10.0, self.ws.mid, s, bsums=self.ws.xbs)
+
+    def down(self, s):
+        from . import cuda as CK
+        m = self.moe
+        CK.moe_down(m["arena"].buf, self.slot_off, m["down_type"], m["n_ff"], m["n_embd"],
+                    self.ws.mq, self.ws.md, self.ws.mbs, self.out, s)
+
+
+def bench_moe(timer, copy_bw, rng, log, moe):
+    steps = [_MoEStep(moe, rng) for _ in range(8)]
+    for st in steps:
+        st.full(0)                                  # compile + fill the workspaces
+    _cuda().synchronize()
+    n_used = 6
+    gu_bytes = 2 * moe["stride_gu"] * n_used
+    d_bytes = moe["stride_d"] * n_used
+    res = []
+    for name, fn, nbytes in (("MoE decode total (offsets, Q8_K x, gate+up, Q8_K mid, down)",
+                              "full", gu_bytes + d_bytes),
+                             ("MoE gate+up fused, 6 experts (IQ2_XXS)", "gate_up", gu_bytes),
+                             ("MoE down, 6 experts summed (Q2_K)", "down", d_bytes)):
+        g = timer.graph(lambda s: [getattr(st, fn)(s) for st in steps])
+        med, best = timer.time_graph(g)
+        us = med * 1e3 / len(steps)
+        gbs = nbytes / (us * 1e-6) / 1e9
+        r = dict(name=name, weight_MB=nbytes / 1e6, us=us, GBps=gbs,
+                 pct_copy=100 * gbs * 1e9 / copy_bw)
+        res.append(r)
+        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %")
+    return res
+
+
+def bench_layer(timer, copy_bw, rng, log, moe):
+    """One layer's decode kernels (activation quantizers, Q8_0 projections, router, shared expert,
+    routed MoE) captured as one graph. Element-wise glue owned by other modules (norms, RoPE,
+    attention, SwiGLU of the shared expert, HC mixing) is not included."""
+    from . import cuda as CK
+    cuda = _cuda()
+    proj = [("q_a", F.Q8_0, 1024, 4096, "x"), ("q_b", F.Q8_0, 32768, 1024, "qa"),
+            ("kv", F.Q8_0, 512, 4096, "x")] + \
+           [(f"out_a{g}", F.Q8_0, 1024, 4096, f"attn{g}") for g in range(8)] + \
+           [("out_b", F.Q8_0, 4096, 8192, "oa"), ("router", F.F16, 256, 4096, "xf"),
+            ("sh_gate", F.Q8_0, 2048, 4096, "x"), ("sh_up", F.Q8_0, 2048, 4096, "x"),
+            ("sh_down", F.Q8_0, 4096, 2048, "mid")]
+    total = sum(r * F.row_bytes(t, k) for _, t, r, k, _ in proj)
+    arena = Arena(total + 64 * 1024, seed=11)
+    offs = {name: arena.place(t, r, k) for name, t, r, k, _ in proj}
+
+    def qbuf(K):
+        x = cuda.to_device(rng.standard_normal(K).astype(np.float32))
+        return x, cuda.device_array(K, np.int8), cuda.device_array(K // 32, np.float32)
+
+    acts = {"x": qbuf(4096), "qa": qbuf(1024), "attn": qbuf(32768), "oa": qbuf(8192),
+            "mid": qbuf(2048)}
+    outs = {name: cuda.device_array(r, np.float32) for name, _, r, _, _ in proj}
+    step = _MoEStep(moe, rng)
+    step.full(0)
+
+    def launch(s):
+        for key in ("x", "qa", "attn", "oa", "mid"):
+            x, q, d = acts[key]
+            CK.quantize_q8_0(x, q, d, s)
+        for name, t, r, k, src in proj:
+            if t == F.F16:
+                CK.matvec_f16(arena.buf, offs[name], r, k, acts["x"][0], outs[name], s)
+                continue
+            if src.startswith("attn"):
+                g = int(src[4:])
+                _, q, d = acts["attn"]
+                q, d = q[g * 4096:(g + 1) * 4096], d[g * 128:(g + 1) * 128]
+            else:
+                _, q, d = acts[src]
+            CK.matvec_q8_0(arena.buf, offs[name], r, k, q, d, outs[name], s)
+        step.full(s)
+
+    launch(0)
+    g = timer.graph(launch)
+    med, best = timer.time_graph(g)
+    n_exp_bytes = 6 * moe["bytes_per_expert"]
+    nbytes = total + n_exp_bytes
+    gbs = nbytes / (med * 1e-3) / 1e9
+    n_launch = 5 + len(proj) + 5
+    r = dict(name="one layer decode graph", weight_MB=nbytes / 1e6, us=med * 1e3, GBps=gbs,
+             pct_copy=100 * gbs * 1e9 / copy_bw, launches=n_launch,
+             ideal_us=nbytes / copy_bw * 1e6)
+    log(f"  {'one layer (' + str(n_launch) + ' kernels, one graph)':44s} {med * 1e3:8.2f} us "
+        f"{gbs:8.0f} GB/s {r['pct_copy']:5.1f} %  (43 layers: {43 * med:.2f} ms)")
+    return r
+
+
+def bench_prefill(timer, rng, log, moe, n_tok=2048):
+    cuda = _cuda()
+    res = []
+    for name, t, rows, K in (("Q8_0 4096->2048", F.Q8_0, 2048, 4096),
+                             ("F16 4096->256", F.F16, 256, 4096),
+                             ("IQ2_XXS 4096->2048", F.IQ2_XXS, 2048, 4096),
+                             ("Q2_K 2048->4096", F.Q2_K, 4096, 2048),
+                             ("Q4_K 4096->2048", F.Q4_K, 2048, 4096)):
+        arena = Arena(rows * F.row_bytes(t, K) + 4096, seed=3)
+        off = arena.place(t, rows, K)
+        act = _Act(t, n_tok, K, rng)
+        out = cuda.device_array((n_tok, rows), np.float32)
+        ms = timer.time_eager(lambda s: _launch_matmul(t, arena.buf, off, rows, K, n_tok, act, out, s))
+        tops = 2 * n_tok * rows * K / (ms * 1e-3) / 1e12
+        r = dict(name=f"matmul {name}", n_tok=n_tok, ms=ms, tok_per_s=n_tok / (ms * 1e-3),
+                 TOPS=tops)
+        res.append(r)
+        log(f"  matmul {name:37s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s {tops:6.2f} TOPS")
+    # routed MoE prefill: tokens grouped by expert (host grouping + kernels, wall clock)
+    from . import cuda as CK
+    X = cuda.to_device(rng.standard_normal((n_tok, moe["n_embd"])).astype(np.float32))
+    ids = np.stack([rng.choice(moe["n_exp"], 6, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    rw = cuda.to_device(rng.uniform(0.05, 0.5, (n_tok, 6)).astype(np.float32))
+    out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
+    table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
+                       moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
+    args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
+            X, ids, rw, 10.0, out)
+    CK.moe_prefill(*args)
+    cuda.synchronize()
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        CK.moe_prefill(*args)
+        cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    wall = float(np.median(walls))
+    r = dict(name="MoE prefill (6 of 256 experts, grouped)", n_tok=n_tok, ms=wall * 1e3,
+             tok_per_s=n_tok / wall)
+    res.append(r)
+    log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
+    return res
+
+
+def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
+    """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
+    cuda = _cuda()
+    rng = np.random.default_rng(0)
+    timer = Timer()
+    dev = cuda.get_current_device()
+    res = dict(device=str(dev.name.decode() if isinstance(dev.name, bytes) else dev.name))
+    t0 = time.time()
+    copy_bw, variants = copy_bandwidth(timer)
+    res["copy_GBps"] = copy_bw / 1e9
+    res["copy_variants_GBps"] = {k: v / 1e9 for k, v in variants.items()}
+    log(f"device {res['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write; best of "
+        + ", ".join(f"{k}: {v / 1e9:.0f}" for k, v in variants.items()) + ")")
+    log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
+    if "dense" in parts:
+        res["dense"] = bench_dense(timer, copy_bw, rng, log)
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill"} & set(parts) else None
+    if "moe" in parts:
+        res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
+    if "layer" in parts:
+        res["layer"] = bench_layer(timer, copy_bw, rng, log, moe)
+    if "prefill" in parts:
+        res["prefill"] = bench_prefill(timer, rng, log, moe)
+    res["bench_seconds"] = time.time() - t0
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res

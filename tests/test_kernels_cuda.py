@@ -1,0 +1,282 @@
+"""CUDA kernels (ds4py.kernels.cuda) against their CPU twins. Run on the GPU machine: pytest -m gpu.
+
+Tolerances: both implementations compute every block's integer dot product exactly (dp4a on the
+GPU) and differ only in the order (and fma contraction) of the f32 sum over blocks. Each is
+within f32_sum_bound = (n_terms + 8) * 2u * sum|w x| of the exact value, so they are within twice
+that of each other. Activation quantizers are compared bit for bit (same f32 operations), and
+GPU-vs-GPU checks (matmul rows vs matvec, prefill MoE vs decode MoE, graph replay vs eager) are
+exact because the kernels run the same arithmetic per output by construction.
+"""
+
+import numpy as np
+import pytest
+
+from ds4py.kernels import compat, cpu, formats as F
+from ds4py.kernels import testdata as TD
+
+pytestmark = pytest.mark.gpu
+
+if not compat.cuda_available():  # pragma: no cover - CPU-only machines
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+from ds4py.kernels import cuda as K  # noqa: E402
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _arena(parts, align=256):
+    """Upload byte arrays into one device arena; returns (arena, offsets). A part given as
+    (bytes, extra) starts `extra` bytes past an aligned address (to test 2-mod-4 offsets)."""
+    offs, pos = [], 0
+    for p in parts:
+        w, extra = p if isinstance(p, tuple) else (p, 0)
+        pos = (pos + align - 1) // align * align + extra
+        offs.append(pos)
+        pos += w.size
+    host = np.zeros(pos + 64, np.uint8)
+    for p, o in zip(parts, offs):
+        w = p[0] if isinstance(p, tuple) else p
+        host[o:o + w.size] = w.reshape(-1)
+    return cuda.to_device(host), offs
+
+
+# ------------------------------------------------------------------------------- quantizers
+
+def test_quantizers_bit_identical_to_cpu():
+    rng = _rng(1)
+    X = (rng.standard_normal((5, 2048)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    X[1, 256:512] = 0                                    # zero blocks
+    X[2, :32] = np.float32(127) * (np.arange(32) % 2)    # exact ties: d = 1
+    X[2, 32:40] = [2.5, 3.5, -2.5, -0.5, 0.5, 1.5, 4.5, -4.5]
+    X[3, 512 + 7], X[3, 512 + 100] = -9.0, 9.0           # Q8_K signed-max tie
+    dX = cuda.to_device(X)
+    q = cuda.device_array(X.size, np.int8)
+    d = cuda.device_array(X.size // 32, np.float32)
+    K.quantize_q8_0(dX, q, d)
+    qk = cuda.device_array(X.size, np.int8)
+    dk = cuda.device_array(X.size // 256, np.float32)
+    bs = cuda.device_array(X.size // 16, np.int32)
+    K.quantize_q8_k(dX, qk, dk, bs)
+    for t in range(5):
+        q0, d0 = cpu.quantize_q8_0(X[t])
+        assert np.array_equal(q.copy_to_host()[t * 2048:(t + 1) * 2048], q0)
+        assert np.array_equal(d.copy_to_host()[t * 64:(t + 1) * 64], d0)
+        q1, d1, b1 = cpu.quantize_q8_k(X[t])
+        assert np.array_equal(qk.copy_to_host()[t * 2048:(t + 1) * 2048], q1)
+        assert np.array_equal(dk.copy_to_host()[t * 8:(t + 1) * 8], d1)
+        assert np.array_equal(bs.copy_to_host()[t * 128:(t + 1) * 128], b1)
+
+
+# ---------------------------------------------------------------------------- dense / matvec
+
+def _prepare(t, X):
+    """Device activation for type t from host f32 X[n_tok, K]: (xq, xd, bsums) or (X,)."""
+    n_tok, Kd = X.shape
+    dX = cuda.to_device(X)
+    if t == F.Q8_0:
+        xq = cuda.device_array(X.size, np.int8)
+        xd = cuda.device_array(X.size // 32, np.float32)
+        K.quantize_q8_0(dX, xq, xd)
+        return xq, xd, None, dX
+    if t in (F.IQ2_XXS, F.Q2_K, F.Q4_K):
+        xq = cuda.device_array(X.size, np.int8)
+        xd = cuda.device_array(X.size // 256, np.float32)
+        bs = cuda.device_array(X.size // 16, np.int32)
+        K.quantize_q8_k(dX, xq, xd, bs)
+        return xq, xd, bs, dX
+    return None, None, None, dX
+
+
+def _gpu_matmul(t, arena, off, rows, Kd, X, single=False):
+    n_tok = X.shape[0]
+    xq, xd, bs, dX = _prepare(t, X)
+    out = cuda.device_array((n_tok, rows), np.float32)
+    if single:
+        assert n_tok == 1
+        if t == F.Q8_0:
+            K.matvec_q8_0(arena, off, rows, Kd, xq, xd, out)
+        elif t == F.F16:
+            K.matvec_f16(arena, off, rows, Kd, dX, out)
+        elif t == F.IQ2_XXS:
+            K.matvec_iq2_xxs(arena, off, rows, Kd, xq, xd, out)
+        elif t == F.Q2_K:
+            K.matvec_q2_k(arena, off, rows, Kd, xq, xd, bs, out)
+        else:
+            K.matvec_q4_k(arena, off, rows, Kd, xq, xd, bs, out)
+    else:
+        if t == F.Q8_0:
+            K.matmul_q8_0(arena, off, rows, Kd, n_tok, xq, xd, out)
+        elif t == F.F16:
+            K.matmul_f16(arena, off, rows, Kd, n_tok, dX, out)
+        elif t == F.IQ2_XXS:
+            K.matmul_iq2_xxs(arena, off, rows, Kd, n_tok, xq, xd, out)
+        elif t == F.Q2_K:
+            K.matmul_q2_k(arena, off, rows, Kd, n_tok, xq, xd, bs, out)
+        else:
+            K.matmul_q4_k(arena, off, rows, Kd, n_tok, xq, xd, bs, out)
+    return out.copy_to_host()
+
+
+GPU_TYPES = [F.Q8_0, F.F16, F.IQ2_XXS, F.Q2_K, F.Q4_K]
+
+# (type, rows, K, extra offset): small odd shapes, split-K shapes, Flash shapes, output head
+MATVEC_CASES = [
+    (F.Q8_0, 37, 96, 2), (F.Q8_0, 100, 4096, 2), (F.Q8_0, 1024, 4096, 0),
+    (F.Q8_0, 32768, 1024, 0), (F.Q8_0, 512, 4096, 0), (F.Q8_0, 4096, 8192, 0),
+    (F.Q8_0, 2048, 4096, 0), (F.Q8_0, 4096, 2048, 0), (F.Q8_0, 129280, 4096, 0),
+    (F.F16, 37, 66, 0), (F.F16, 256, 4096, 0), (F.F16, 9000, 512, 0),
+    (F.IQ2_XXS, 37, 768, 2), (F.IQ2_XXS, 2048, 4096, 0),
+    (F.Q2_K, 37, 768, 0), (F.Q2_K, 4096, 2048, 0),
+    (F.Q4_K, 37, 768, 0), (F.Q4_K, 2048, 4096, 0),
+]
+
+
+@pytest.mark.parametrize("t,rows,Kd,extra", MATVEC_CASES,
+                         ids=[f"{F.TYPE_NAMES[c[0]]}-{c[1]}x{c[2]}+{c[3]}" for c in MATVEC_CASES])
+def test_matvec_matches_cpu(t, rows, Kd, extra):
+    rng = _rng(rows + Kd + t)
+    w = TD.random_weights(t, (rows, Kd), rng)
+    arena, (off,) = _arena([(w, extra)])
+    x = rng.standard_normal(Kd).astype(np.float32)
+    y = _gpu_matmul(t, arena, off, rows, Kd, x[None, :], single=True)[0]
+    y_cpu = cpu.matvec(w, t, x)
+    sel = np.arange(rows) if rows <= 4096 else np.sort(rng.choice(rows, 256, replace=False))
+    _, mag = TD.reference_matvec(w, t, x, sel)
+    tol = 2 * TD.f32_sum_bound(t, Kd, mag)
+    err = np.abs(y[sel].astype(np.float64) - y_cpu[sel])
+    assert np.all(err <= tol), f"max err/tol {np.max(err / tol):.3g}"
+    assert np.all(np.isfinite(y))
+    # every row was written, rows not in the sample too
+    assert np.allclose(y, y_cpu, rtol=1e-3, atol=1e-3 * np.abs(y_cpu).max())
+
+
+@pytest.mark.parametrize("t", GPU_TYPES, ids=[F.TYPE_NAMES[t] for t in GPU_TYPES])
+@pytest.mark.parametrize("rows", [100, 9000])       # split-K (S = 8) and one warp per row
+def test_matmul_rows_equal_matvec(t, rows):
+    rng = _rng(20 + t + rows)
+    Kd = 1024 if t != F.F16 else 1000
+    w = TD.random_weights(t, (rows, Kd), rng)
+    arena, (off,) = _arena([w])
+    X = rng.standard_normal((11, Kd)).astype(np.float32)
+    X[3] *= 40
+    Y = _gpu_matmul(t, arena, off, rows, Kd, X)
+    for i in range(len(X)):
+        y1 = _gpu_matmul(t, arena, off, rows, Kd, X[i:i + 1], single=True)[0]
+        assert np.array_equal(Y[i], y1), f"token {i}"
+
+
+# ---------------------------------------------------------------------------------------- MoE
+
+N_EMBD, N_FF, N_EXP, N_USED = 4096, 2048, 16, 6
+
+
+@pytest.fixture(scope="module")
+def experts():
+    rng = _rng(5)
+    gate = TD.random_weights(F.IQ2_XXS, (N_EXP, N_FF, N_EMBD), rng)
+    up = TD.random_weights(F.IQ2_XXS, (N_EXP, N_FF, N_EMBD), rng)
+    down = TD.random_weights(F.Q2_K, (N_EXP, N_EMBD, N_FF), rng)
+    arena, (og, ou, od) = _arena([gate, up, down])
+    stride_gu = gate.shape[1] * gate.shape[2]
+    stride_d = down.shape[1] * down.shape[2]
+    table = np.array([[og + e * stride_gu, ou + e * stride_gu, od + e * stride_d]
+                      for e in range(N_EXP)], np.int64)
+    return dict(gate=gate, up=up, down=down, arena=arena, table=table, og=og, ou=ou, od=od,
+                stride_gu=stride_gu, stride_d=stride_d)
+
+
+def _moe_decode_gpu(ex, x, ids, rw, clamp, ws=None, use_offsets_kernel=True):
+    ws = ws or K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    d_ids = cuda.to_device(ids.astype(np.int32))
+    slot_off = cuda.device_array((N_USED, 3), np.int64)
+    if use_offsets_kernel:
+        K.expert_offsets(d_ids, ex["og"], ex["ou"], ex["od"], ex["stride_gu"], ex["stride_d"],
+                         slot_off)
+    else:
+        slot_off = cuda.to_device(ex["table"][ids])
+    out = cuda.device_array(N_EMBD, np.float32)
+    K.moe_decode(ex["arena"], slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(x),
+                 cuda.to_device(rw.astype(np.float32)), clamp, out, ws)
+    return out.copy_to_host(), slot_off.copy_to_host()
+
+
+@pytest.mark.parametrize("clamp", [10.0, 0.4])
+def test_moe_decode_matches_cpu(experts, clamp):
+    """2e-3 of the norm: f32-level differences in g/u can flip a rounding tie of mid's Q8_K."""
+    rng = _rng(6)
+    x = rng.standard_normal(N_EMBD).astype(np.float32)
+    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+    y, slot_off = _moe_decode_gpu(experts, x, ids, rw, clamp)
+    assert np.array_equal(slot_off, experts["table"][ids])
+    y_cpu = cpu.moe(experts["gate"], experts["up"], experts["down"], F.IQ2_XXS, F.Q2_K, x, ids,
+                    rw, clamp)
+    assert np.linalg.norm(y - y_cpu) <= 2e-3 * np.linalg.norm(y_cpu)
+    y2, _ = _moe_decode_gpu(experts, x, ids, rw, clamp, use_offsets_kernel=False)
+    assert np.array_equal(y, y2)
+
+
+def test_moe_prefill_tokens_equal_decode(experts):
+    rng = _rng(7)
+    n_tok = 9
+    X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.choice(N_EXP, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 3                              # one expert shared by every token (> 1 tile)
+    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    out = cuda.device_array((n_tok, N_EMBD), np.float32)
+    K.moe_prefill(experts["arena"], experts["table"], F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF,
+                  cuda.to_device(X), ids, cuda.to_device(rw), 10.0, out)
+    Y = out.copy_to_host()
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    for t in range(n_tok):
+        y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
+        assert np.array_equal(Y[t], y), f"token {t}"
+
+
+def test_moe_decode_graph_replay_reads_device_buffers(experts):
+    """Capture expert_offsets + moe_decode once; new ids / weights / x written into the same
+    device buffers must give the eager result on replay (nothing per token is baked in)."""
+    from cuda.core import Device
+
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    rng = _rng(8)
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    d_ids = cuda.device_array(N_USED, np.int32)
+    d_rw = cuda.device_array(N_USED, np.float32)
+    d_x = cuda.device_array(N_EMBD, np.float32)
+    slot_off = cuda.device_array((N_USED, 3), np.int64)
+    out = cuda.device_array(N_EMBD, np.float32)
+    ex = experts
+
+    def step(s):
+        K.expert_offsets(d_ids, ex["og"], ex["ou"], ex["od"], ex["stride_gu"], ex["stride_d"],
+                         slot_off, s)
+        K.moe_decode(ex["arena"], slot_off, F.IQ2_XXS, F.Q2_K, d_x, d_rw, 10.0, out, ws, s)
+
+    d_ids.copy_to_device(np.arange(N_USED, dtype=np.int32))
+    step(0)                                    # warm-up: compile everything before capture
+    cuda.synchronize()
+    gb = stream.create_graph_builder()
+    gb.begin_building()
+    step(gb)
+    gb.end_building()
+    graph = gb.complete()
+    for _ in range(3):
+        x = rng.standard_normal(N_EMBD).astype(np.float32)
+        ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+        rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+        d_ids.copy_to_device(ids)
+        d_rw.copy_to_device(rw)
+        d_x.copy_to_device(x)
+        cuda.synchronize()
+        graph.launch(stream)
+        stream.sync()
+        y_graph = out.copy_to_host()
+        y_eager, _ = _moe_decode_gpu(ex, x, ids, rw, 10.0)
+        assert np.array_equal(y_graph, y_eager)
