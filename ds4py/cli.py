@@ -332,5 +332,133 @@ def print_probe(r: dict) -> None:
     out.print(alts)
 
 
+# ---- run / tokenize --------------------------------------------------------------------------------
+
+def open_engine(model, weights: WeightOptions):
+    """The engine `run` drives. The CPU engine reads the weights in place from the mmap (HostSource);
+    --ctx sizes its KV state."""
+    from ds4py.forward_cpu import CpuEngine
+    from ds4py.io.sources import HostSource
+
+    return CpuEngine(model, HostSource(model), n_ctx=weights.n_ctx)
+
+
+def _stream_printer(tok):
+    """on_token callback: print each token's text as soon as it is complete UTF-8."""
+    decoder = tok.stream_decoder()
+
+    def on_token(token_id: int) -> None:
+        text = decoder.feed(token_id)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def finish() -> None:
+        tail = decoder.flush()
+        sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+    return on_token, finish
+
+
+def _write_logits(path: Path, logits) -> None:
+    import numpy as np
+
+    try:
+        np.asarray(logits, dtype="<f4").tofile(str(path))
+    except OSError as e:
+        raise Ds4Error(f"{path}: cannot write the logits ({e.strerror})") from None
+
+
+@app.command()
+@weight_options
+def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF to run (default: the embedded tiny model)."),
+        prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="One-shot prompt; without it, an interactive chat."),
+        n_predict: int = typer.Option(256, "-n", "--n-predict", min=1, help="Most tokens to generate per turn."),
+        temp: float = typer.Option(1.0, "--temp", help="Sampling temperature; 0 = greedy argmax."),
+        top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling share (1 = off)."),
+        min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than min_p × the top token."),
+        top_k: int = typer.Option(0, "--top-k", min=0, max=1024, help="Sample among the k best only (0 = off)."),
+        think: bool = typer.Option(True, "--think/--nothink", help="End the prompt with <think> (default) or </think>."),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed (default: from the clock)."),
+        system: str = typer.Option("You are a helpful assistant", "--system", help="System prompt; \"\" for none."),
+        dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", metavar="FILE",
+                                                   help="Write the last prompt token's logits as raw little-endian float32."),
+        weights=None):
+    """Generate text: one shot with -p (tokens stream as they come), else an interactive multi-turn chat
+    (/think, /nothink, /quit; Ctrl-C stops a reply; EOF exits). Ends with ds4's prefill/generation t/s line."""
+    from ds4py.chat import Conversation, render_prompt
+    from ds4py.generate import Session, generate
+    from ds4py.io.spec import open_model
+    from ds4py.sampling import Sampler
+    from ds4py.tokenizer import Tokenizer
+
+    path = model if model is not None else default_model_path()
+    m = open_model(str(path))
+    tok = Tokenizer.from_gguf(m.file)
+    session = Session(open_engine(m, weights))
+    sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+
+    def turn(ids):
+        on_token, finish = _stream_printer(tok)
+        result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
+        finish()
+        if result.stop == "interrupted":
+            console.print("[interrupted]")
+        elif result.stop == "context":
+            console.print(f"[context full: --ctx {weights.n_ctx}]")
+        if dump_logits is not None and result.prompt_logits is not None:
+            _write_logits(dump_logits, result.prompt_logits)
+        console.print(result.stats_line(), highlight=False)
+        return result
+
+    if prompt is not None:
+        turn(render_prompt(tok, prompt, system=system, think=think))
+        return
+    conv = Conversation(tok, system=system, think=think)
+    console.print("ds4py chat: /think, /nothink, /quit; Ctrl-C stops a reply; Ctrl-D exits")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            console.print("")
+            return
+        except KeyboardInterrupt:
+            console.print("")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        if text in ("/think", "/nothink"):
+            conv.think = text == "/think"
+            console.print(f"thinking {'on' if conv.think else 'off'}")
+            continue
+        result = turn(conv.add_user(line))
+        conv.add_reply(result.tokens)
+
+
+@app.command()
+def tokenize(text: str = typer.Argument(..., help="Text to tokenize (a prompt starting with the BOS string is read as pre-rendered)."),
+             model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF whose tokenizer to use (default: the embedded tiny model)."),
+             ids_only: bool = typer.Option(False, "--ids", help="Print only the ids, as one JSON list on one line.")):
+    """Tokenize TEXT with the model's tokenizer: one `id -> 'piece'` line per token, like llama.cpp's tool."""
+    from ds4py.chat import is_rendered, tokenize_rendered
+    from ds4py.io.gguf import GGUFFile
+    from ds4py.io.spec import read_spec
+    from ds4py.tokenizer import Tokenizer
+
+    path = model if model is not None else default_model_path()
+    with GGUFFile(str(path)) as g:
+        read_spec(g)                     # a foreign GGUF gets the one-line error, not a tokenizer guess
+        tok = Tokenizer.from_gguf(g)
+    ids = tokenize_rendered(tok, text) if is_rendered(text) else tok.encode(text)
+    if ids_only:
+        print(json.dumps(ids))
+        return
+    for i in ids:
+        print(f"{i:6d} -> '{tok.token_piece(i)}'")
+
+
 if __name__ == "__main__":
     main()
