@@ -425,8 +425,11 @@ class Tokenizer:
         return ids
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        # surrogateescape turns undecodable argv bytes (U+DC80..DCFF) back into those bytes.
-        data = piece.encode("utf-8", errors="surrogateescape")
+        try:
+            # surrogateescape turns undecodable argv bytes (U+DC80..DCFF) back into those bytes.
+            data = piece.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError:  # any other lone surrogate has no UTF-8 form at all
+            data = piece.encode("utf-8", errors="replace")
         symbols = bpe_merge(list(bytes_to_vocab_chars(data)), self.merge_rank)
         ids = []
         for symbol in symbols:

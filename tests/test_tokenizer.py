@@ -11,6 +11,7 @@ import json
 import os
 import random
 import time
+import unicodedata
 
 import pytest
 
@@ -167,6 +168,19 @@ def test_from_gguf_reads_the_two_arrays():
         Tokenizer.from_gguf(FakeGGUF({"tokenizer.ggml.merges": merges}))
 
 
+def test_from_gguf_with_the_real_reader(tiny_model, micro_model):
+    from ds4py.io.gguf import GGUFFile
+
+    with GGUFFile(tiny_model) as gguf_file:
+        tok = Tokenizer.from_gguf(gguf_file)
+    assert tok.n_vocab == VOCAB_SIZE and tok.user_id == 128803
+    assert tok.encode("hi there 12345 café\n\n  x") == [6366, 1031, 223, 6895, 1883, 57664, 271, 223, 1527]
+    # The micro model keeps only 512 tokens: no chat specials, so no DS4 tokenizer (ds4 refuses it too).
+    with GGUFFile(micro_model) as gguf_file:
+        with pytest.raises(ModelFileError):
+            Tokenizer.from_gguf(gguf_file)
+
+
 def test_ties_merge_leftmost_and_by_rank():
     from ds4py.tokenizer import BYTE_TO_CHAR
 
@@ -275,9 +289,11 @@ def test_pretokenizer_matches_hf_on_every_bmp_code_point(hf):
     pre-tokenizer, which also checks the byte mapping. (Run once over all 1.1M code points and
     12 contexts while writing the tokenizer: no difference.)"""
     code_points = probe_code_points()
+    # Spaces, controls and format chars are where the whitespace rules bite: every context sees them.
+    unusual = [cp for cp in code_points if unicodedata.category(chr(cp)) in ("Zs", "Zl", "Zp", "Cc", "Cf")]
     for n_template, template in enumerate(PROBE_TEMPLATES):
-        # The first three contexts see every code point; the others every 7th, to keep this quick.
-        probes = code_points if n_template < 3 else code_points[n_template::7]
+        # The first two contexts see every code point; the others every 7th, to keep this quick.
+        probes = code_points if n_template < 2 else code_points[n_template::7] + unusual
         for start in range(0, len(probes), 8000):
             chunk = probes[start : start + 8000]
             text = "0".join(template.format(c=chr(cp)) for cp in chunk)
