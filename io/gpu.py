@@ -149,6 +149,8 @@ def stream_ptr(stream) -> int:
         return stream
     if isinstance(stream, Stream):
         return stream.ptr
+    if hasattr(stream, "__cuda_stream__"):          # cuda.core streams and newer numba streams
+        return int(stream.__cuda_stream__()[1])
     handle = getattr(stream, "handle", stream)
     value = getattr(handle, "value", None)      # ctypes c_void_p in older numba
     if value is not None or type(handle).__name__ == "c_void_p":
@@ -202,6 +204,12 @@ def register_host(addr: int, nbytes: int, read_only: bool = True) -> int:
     flags = CU_MEMHOSTREGISTER_DEVICEMAP | (CU_MEMHOSTREGISTER_READ_ONLY if read_only else 0)
     call("cuMemHostRegister", addr, nbytes, flags)
     return int(call("cuMemHostGetDevicePointer", addr, 0))
+
+
+def pin_host(addr: int, nbytes: int) -> None:
+    """Page-lock [addr, addr + nbytes) for DMA (read-only: the file mapping is PROT_READ)."""
+    ensure_context()
+    call("cuMemHostRegister", addr, nbytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY)
 
 
 def unregister_host(addr: int) -> None:

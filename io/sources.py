@@ -63,6 +63,8 @@ from ds4py.io.spec import Model, is_routed_expert
 
 MiB = 1 << 20
 GiB = 1 << 30
+REGISTER_WINDOW = 1 << 30        # page-lock the page cache this much at a time for a warm device load
+LOAD_PATHS = ("auto", "staged", "registered")
 
 
 @dataclass
@@ -167,8 +169,13 @@ class GpuSource:
     regime = "gpu"
 
     def __init__(self, model: Model, *, chunk_mb: int = 64, n_slots: int = 4, io_threads: int = 0,
-                 direct_io: bool = False, drop_pages: bool = False, progress=True, log=None):
-        from ds4py.io import gpu
+                 direct_io: bool = False, drop_pages: bool = False, progress=True, log=None,
+                 load_path: str = "auto", gpu=None):
+        if gpu is None:                          # tests pass a numpy stand-in with the same functions
+            from ds4py.io import gpu
+        if load_path not in LOAD_PATHS:
+            raise ValueError(f"load_path must be one of {LOAD_PATHS}")
+        self.load_path = load_path
         self.gpu = gpu
         self.model = model
         self.counters = Counters()
@@ -232,9 +239,6 @@ class GpuSource:
 
     def _upload_plan(self, plan: layout.ArenaPlan, arena, what: str) -> None:
         """Copy every interval of `plan` from the file into `arena` through the pinned ring."""
-        from ds4py.io.staging import pump, plan_chunks
-        chunks = plan_chunks(plan, self.chunk_bytes)
-        uploader = _DeviceUploader(self.gpu, self.gpu.device_ptr(arena), self.stream, self.n_slots)
         before = self.reader.stats.direct_bytes + self.reader.stats.buffered_bytes
         mm = self.model.file.mm
 
@@ -243,20 +247,36 @@ class GpuSource:
                 self.reader.drop(c.file_offset, c.nbytes, mm)
                 self.counters.dropped_bytes += c.nbytes
 
-        t0 = time.perf_counter()
-        try:
-            with _progress_bar(self.progress, what, plan.copy_bytes) as advance:
-                moved = pump(self.reader, chunks, self._staging_ring(), uploader, self.pool, self.threads,
-                             progress=advance, after_chunk=after_chunk)
-                self.stream.synchronize()
-        finally:
-            uploader.close()
-        seconds = time.perf_counter() - t0
+        with _progress_bar(self.progress, what, plan.copy_bytes) as advance:
+            self.load_stats = upload_staged(self.gpu, self.reader, plan, self.gpu.device_ptr(arena), self.stream,
+                                            self._staging_ring(), self.pool, self.threads, self.chunk_bytes,
+                                            progress=advance, after_chunk=after_chunk)
         self.counters.disk_read_bytes += self.reader.stats.direct_bytes + self.reader.stats.buffered_bytes - before
-        self.counters.h2d_load_bytes += moved
-        mode = "O_DIRECT" if self.reader.direct else "buffered"
-        self.load_stats = LoadStats(moved, seconds, f"{mode} reads, {self.threads} threads, "
-                                                    f"{self.n_slots} × {self.chunk_bytes // MiB} MiB pinned staging")
+        self.counters.h2d_load_bytes += self.load_stats.nbytes
+        if self.drop_pages:      # stragglers: folios that straddled a chunk edge
+            self.reader.drop(0, self.reader.size, mm)
+
+    def _load_plan(self, plan: layout.ArenaPlan, arena, what: str) -> None:
+        """Fill `arena` from the file by the fastest path the page cache allows.
+
+        registered: the file is (almost) all in the page cache and read buffered: page-lock it one
+        window at a time and DMA straight from the page cache (no CPU copy; registering a resident
+        window costs ~25 ms/GiB and overlaps the previous window's DMA). staged: everything else
+        (cold file, O_DIRECT): reader threads fill the pinned ring."""
+        path = self.load_path
+        if path == "auto":
+            warm = diskio.residency(self.model.file.mm) >= 0.98
+            path = "registered" if warm and not self.reader.direct else "staged"
+        if path == "registered":
+            try:
+                with _progress_bar(self.progress, what, plan.copy_bytes) as advance:
+                    self.load_stats = upload_windows(self.gpu, self.model.file.mm, plan, self.gpu.device_ptr(arena),
+                                                     self.stream, self.chunk_bytes, progress=advance)
+                self.counters.h2d_load_bytes += self.load_stats.nbytes
+                return
+            except self.gpu.CudaCallError as e:
+                self.log(f"ds4py: page-locking the page cache failed ({e}); reading through pinned staging instead")
+        self._upload_plan(plan, arena, what)
 
     def _upload_registered(self, plan: layout.ArenaPlan, arena, base_addr: int, what: str) -> None:
         """Copy every interval of `plan` straight from the registered mapping (no staging, no reads)."""
@@ -273,24 +293,12 @@ class GpuSource:
         self.counters.h2d_load_bytes += moved
         self.load_stats = LoadStats(moved, time.perf_counter() - t0, "DMA from the page-locked page cache")
 
-    def _register_mapping(self, piece_bytes: int | None = None, what: str = "page-locking the file") -> int:
-        """Register the whole file mapping read-only; returns its host address. piece_bytes splits
-        the registration (for a progress bar; the device view is then not one range)."""
+    def _register_mapping(self) -> int:
+        """Register the whole file mapping read-only (page-locking it); returns its host address."""
         mm = self.model.file.mm
         addr = diskio.buffer_address(mm)
-        size = diskio.align_up(len(mm), diskio.PAGE)     # the mapping covers whole pages
-        if piece_bytes is None:
-            self.gpu.register_host(addr, size)
-            self._registered.append(addr)
-            return addr
-        with _progress_bar(self.progress, what, size) as advance:
-            pos = 0
-            while pos < size:
-                n = min(piece_bytes, size - pos)
-                self.gpu.register_host(addr + pos, n)
-                self._registered.append(addr + pos)
-                advance(n)
-                pos += n
+        self.gpu.register_host(addr, diskio.align_up(len(mm), diskio.PAGE))   # the mapping covers whole pages
+        self._registered.append(addr)
         return addr
 
     def _report_load(self, what: str) -> None:
@@ -328,7 +336,78 @@ class GpuSource:
         self.close()
 
 
-class _DeviceUploader:
+def upload_staged(gpu, reader: diskio.FileReader, plan: layout.ArenaPlan, arena_ptr: int, stream, ring, pool,
+                  threads: int, chunk_bytes: int, progress=None, after_chunk=None) -> LoadStats:
+    """File -> pinned ring (reader threads, O_DIRECT or buffered as `reader` does) -> arena."""
+    from ds4py.io.staging import plan_chunks, pump
+    uploader = DeviceUploader(gpu, arena_ptr, stream, len(ring))
+    t0 = time.perf_counter()
+    try:
+        moved = pump(reader, plan_chunks(plan, chunk_bytes), ring, uploader, pool, threads,
+                     progress=progress, after_chunk=after_chunk)
+        stream.synchronize()
+    finally:
+        uploader.close()
+    mode = "O_DIRECT" if reader.direct else "buffered"
+    return LoadStats(moved, time.perf_counter() - t0,
+                     f"{mode} reads, {threads} threads, {len(ring)} × {chunk_bytes // MiB} MiB pinned staging")
+
+
+def upload_windows(gpu, mm, plan: layout.ArenaPlan, arena_ptr: int, stream, chunk_bytes: int,
+                   progress=None, window: int = 0) -> LoadStats:
+    """Page cache -> arena by DMA: page-lock the mapping one window at a time (at most two at once),
+    copy that window's part of the plan from it, unlock it when its copies are done."""
+    from collections import deque
+
+    from ds4py.io.staging import plan_chunks
+    window = window or REGISTER_WINDOW
+    base = diskio.buffer_address(mm)
+    map_size = diskio.align_up(len(mm), diskio.PAGE)
+    by_window: dict[int, list[tuple[int, int, int]]] = {}
+    for c in plan_chunks(plan, chunk_bytes):
+        pos, end = c.file_offset, c.file_offset + c.nbytes
+        while pos < end:                       # a copy must not straddle two registrations
+            w = pos // window
+            stop = min(end, (w + 1) * window)
+            by_window.setdefault(w, []).append((pos, stop - pos, c.dest + pos - c.file_offset))
+            pos = stop
+    pinned: deque = deque()                    # (host address, event after its copies)
+
+    def release_oldest():
+        addr, ev = pinned.popleft()
+        ev.synchronize()
+        ev.close()
+        gpu.unregister_host(addr)
+
+    t0, moved = time.perf_counter(), 0
+    try:
+        for w in sorted(by_window):
+            start, stop = w * window, min((w + 1) * window, map_size)
+            gpu.pin_host(base + start, stop - start)
+            ev = gpu.Event()
+            pinned.append((base + start, ev))
+            n_window = 0
+            for off, n, dest in by_window[w]:
+                gpu.copy_htod_async(arena_ptr + dest, base + off, n, stream)
+                n_window += n
+            ev.record(stream)
+            moved += n_window
+            if progress:
+                progress(n_window)
+            while len(pinned) > 2:
+                release_oldest()
+        stream.synchronize()
+    finally:
+        while pinned:
+            try:
+                release_oldest()
+            except Exception:
+                pass
+    return LoadStats(moved, time.perf_counter() - t0,
+                     f"DMA from the page cache, page-locked {window // MiB} MiB at a time")
+
+
+class DeviceUploader:
     """staging.pump's uploader: async copies on one stream, one event per ring slot."""
 
     def __init__(self, gpu, arena_ptr: int, stream, n_slots: int):
@@ -354,12 +433,16 @@ class DeviceSource(GpuSource):
     an arena larger than that is treated exactly like a failed allocation. host_mapped=True skips
     the copy altogether (--direct-model)."""
 
+    regime = "device"
+
     def __init__(self, model: Model, *, arena_limit: int | None = None, host_mapped: bool = False, **kw):
         super().__init__(model, **kw)
         try:
             all_spans = layout.spans_of(model, model.file.tensors)
             self.plan = layout.plan_arena(all_spans)
             if host_mapped:
+                self.log("ds4py: host-mapped weights (--direct-model): the file mapping is page-locked and "
+                         "kernels read it in place across PCIe")
                 self._map_host(None)
                 return
             self.regime = "device"
@@ -378,7 +461,7 @@ class DeviceSource(GpuSource):
                          f"falling back to host-mapped weights: kernels read them across PCIe every token (slow)")
                 self._map_host(why)
                 return
-            self._upload_plan(self.plan, self.arena, "copying weights to VRAM")
+            self._load_plan(self.plan, self.arena, "copying weights to VRAM")
             self._report_load("device-resident")
         except BaseException:
             self.close()
@@ -530,15 +613,12 @@ class PageCacheSource(_ExpertCachingSource):
         super().__init__(model, **kw)
         try:
             self._host_base = None
+            mm = model.file.mm
+            if diskio.residency(mm) < 0.99:   # registration would fault it in silently: do it with a bar
+                warm_page_cache(model, self.progress)
             try:
-                self._host_base = self._register_mapping(piece_bytes=1 << 30, what="page-locking the page cache")
+                self._host_base = self._register_mapping()
             except Exception as e:
-                for addr in self._registered:
-                    try:
-                        self.gpu.unregister_host(addr)
-                    except Exception:
-                        pass
-                self._registered = []
                 self.log(f"ds4py: could not page-lock the file mapping ({e}); experts are copied through pinned "
                          f"staging from the page cache instead (slower misses)")
             if self._host_base is not None:

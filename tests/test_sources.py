@@ -395,3 +395,201 @@ def test_io_imports_without_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["none", "0"]
+
+
+# ---- the GPU sources' logic, on a numpy stand-in for the device -----------------------------------------
+
+from fake_gpu import FakeGpu  # noqa: E402
+
+from ds4py.io import sources  # noqa: E402
+
+
+def _expert_bytes(m, layer, e):
+    g = layout.expert_geometry(m)[layer]
+    return [np.frombuffer(m.file.mm, np.uint8, n, off) for off, n in g.file_ranges(e)]
+
+
+def _check_dense(src, m):
+    for name, t in m.file.tensors.items():
+        if src.regime in ("page-cache", "stream") and layout.is_routed_expert(name):
+            continue
+        arena, off = src.dense(name)
+        assert arena is src.arena
+        assert np.array_equal(np.asarray(arena[off:off + t.nbytes]), m.file.bytes_view(name)), name
+
+
+def _check_experts(src, m, layer, ids):
+    offs = src.fetch_experts(layer, ids)
+    assert offs.shape == (len(ids), 3) and offs.dtype == np.int64
+    for row, e in zip(offs, ids):
+        for k, want in enumerate(_expert_bytes(m, layer, e)):
+            got = np.asarray(src.expert_arena[row[k]:row[k] + want.nbytes])
+            assert np.array_equal(got, want), (layer, e, k)
+    return offs
+
+
+@pytest.fixture
+def tiny(tiny_model):
+    m = open_model(tiny_model)
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("load_path,direct", [("staged", True), ("staged", False), ("registered", False),
+                                              ("auto", False)])
+def test_device_source_holds_every_byte_and_first_request_uploads_nothing(tiny, load_path, direct):
+    gpu, lines = FakeGpu(), []
+    src = sources.DeviceSource(tiny, gpu=gpu, load_path=load_path, direct_io=direct, chunk_mb=1, progress=False,
+                               log=lines.append)
+    assert src.regime == "device" and src.arena.nbytes % 256 == 0
+    loaded = src.counters.h2d_load_bytes
+    assert loaded == src.plan.copy_bytes == gpu.h2d_bytes
+    # a request, as the engine makes it: every dense tensor, then the experts of every layer
+    _check_dense(src, tiny)
+    for il in range(tiny.spec.n_layer):
+        _check_experts(src, tiny, il, [0, 3, tiny.spec.n_exp - 1, 5, 1, 2])
+        b = src.expert_base(il)
+        offs = src.fetch_experts(il, [7])
+        assert offs[0].tolist() == [b.gate_off + 7 * b.gate_stride, b.up_off + 7 * b.up_stride,
+                                    b.down_off + 7 * b.down_stride]
+    assert src.counters.h2d_request_bytes == 0 and gpu.h2d_bytes == loaded
+    assert src.expert_base_table().shape == (tiny.spec.n_layer, 6)
+    assert gpu.copies_from_unpinned == 0
+    src.close()
+    assert not gpu.registered
+    assert any("device-resident" in line and "GB/s" in line for line in lines)
+
+
+def test_device_source_falls_back_to_host_mapped_when_the_arena_exceeds_the_budget(tiny):
+    gpu, lines = FakeGpu(), []
+    src = sources.DeviceSource(tiny, gpu=gpu, arena_limit=1 << 20, progress=False, log=lines.append)
+    assert src.regime == "host-mapped"
+    assert len(lines) == 1 and "falling back to host-mapped" in lines[0] and "limit" in lines[0]
+    assert src.counters.h2d_load_bytes == 0 and gpu.h2d_bytes == 0
+    _check_dense(src, tiny)
+    _check_experts(src, tiny, 1, [2, 4])
+    assert src.dense("output.weight")[1] == tiny.file.tensors["output.weight"].offset   # file offsets
+    src.close()
+    assert not gpu.registered
+
+
+def test_device_source_falls_back_when_vram_is_taken(tiny):
+    gpu, lines = FakeGpu(vram_bytes=10 << 20), []
+    src = sources.DeviceSource(tiny, gpu=gpu, progress=False, log=lines.append)
+    assert src.regime == "host-mapped" and "OUT_OF_MEMORY" in lines[0]
+    _check_dense(src, tiny)
+    src.close()
+
+
+def test_direct_model_is_host_mapped_without_copying(tiny):
+    gpu, lines = FakeGpu(), []
+    src = sources.DeviceSource(tiny, gpu=gpu, host_mapped=True, progress=False, log=lines.append)
+    assert src.regime == "host-mapped" and gpu.h2d_bytes == 0 and "--direct-model" in lines[0]
+    _check_experts(src, tiny, 0, [1])
+    src.close()
+
+
+def test_page_cache_source_caches_experts_lru_and_keeps_pages(tiny):
+    gpu = FakeGpu()
+    n_used = tiny.spec.n_used
+    src = sources.PageCacheSource(tiny, gpu=gpu, expert_slots=2 * n_used, progress=False, log=lambda s: None)
+    assert src.regime == "page-cache" and src.expert_arena is src.arena
+    _check_dense(src, tiny)
+    with pytest.raises(KeyError):
+        src.dense("blk.0.ffn_up_exps.weight")
+    dense_loaded = src.counters.h2d_load_bytes
+    ids = list(range(n_used))
+    _check_experts(src, tiny, 0, ids)
+    per_expert = sum(layout.expert_geometry(tiny)[0].stride)
+    c = src.counters
+    assert (c.expert_misses, c.expert_hits, c.h2d_request_bytes) == (n_used, 0, n_used * per_expert)
+    _check_experts(src, tiny, 0, ids)                       # all hits, nothing uploaded
+    assert (c.expert_hits, c.h2d_request_bytes) == (n_used, n_used * per_expert)
+    _check_experts(src, tiny, 1, ids)                       # fills the other half of the slots
+    _check_experts(src, tiny, 2, ids)                       # evicts layer 0's
+    assert c.expert_evictions == n_used
+    _check_experts(src, tiny, 0, ids)                       # back, right bytes
+    assert c.h2d_load_bytes == dense_loaded and c.disk_read_bytes == 0 and c.dropped_bytes == 0
+    assert gpu.copies_from_unpinned == 0
+    assert diskio.residency(tiny.file.mm) == 1.0            # page cache untouched
+    src.close()
+    assert not gpu.registered
+
+
+def test_page_cache_source_without_registration_stages_from_the_page_cache(tiny, monkeypatch):
+    gpu, lines = FakeGpu(), []
+
+    def refuse(addr, nbytes, read_only=True):
+        raise CudaCallError("cuMemHostRegister", "CUDA_ERROR_NOT_SUPPORTED")
+
+    from ds4py.io.gpu import CudaCallError
+    monkeypatch.setattr(gpu, "register_host", refuse)
+    src = sources.PageCacheSource(tiny, gpu=gpu, expert_slots=tiny.spec.n_used, progress=False, log=lines.append)
+    assert "could not page-lock" in lines[0]
+    _check_dense(src, tiny)
+    for il in range(tiny.spec.n_layer):
+        _check_experts(src, tiny, il, [il, il + 1, 9, 10, 11, 12])
+    assert gpu.copies_from_unpinned == 0 and src.counters.disk_read_bytes > 0
+    src.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_stream_source_reads_on_demand_and_drops_pages(tiny, direct):
+    gpu = FakeGpu()
+    n_used = tiny.spec.n_used
+    src = sources.StreamSource(tiny, gpu=gpu, expert_slots=n_used + 2, direct_io=direct, drop_pages=True,
+                               chunk_mb=1, progress=False, log=lambda s: None)
+    assert src.regime == "stream"
+    _check_dense(src, tiny)
+    rng = np.random.default_rng(0)
+    for step in range(30):
+        il = int(rng.integers(0, tiny.spec.n_layer))
+        ids = rng.choice(tiny.spec.n_exp, size=n_used, replace=False).tolist()
+        _check_experts(src, tiny, il, ids)
+    c = src.counters
+    per_expert = sum(layout.expert_geometry(tiny)[0].stride)
+    assert c.expert_misses * per_expert == c.h2d_request_bytes
+    assert c.expert_hits + c.expert_misses == 30 * n_used and c.expert_evictions > 0
+    assert c.dropped_bytes > 0 and gpu.copies_from_unpinned == 0
+    # a miss the test has not read through the mapping: its pages are gone after the fetch
+    e = next(e for e in range(tiny.spec.n_exp) if src.policy.slot_of(1, e) is None)
+    ranges = layout.expert_geometry(tiny)[1].file_ranges(e)
+    src.fetch_experts(1, [e])
+    left = max(diskio.residency(tiny.file.mm, off, n) for off, n in ranges)
+    if diskio.filesystem_of(tiny.path) not in ("tmpfs", "overlay", "ramfs"):
+        assert left == 0.0
+    src.close()
+
+
+def test_expert_cache_smaller_than_a_selection_is_refused(tiny):
+    from ds4py.errors import ResourceError
+    with pytest.raises(ResourceError, match="cannot hold one selection"):
+        sources.StreamSource(tiny, gpu=FakeGpu(), expert_slots=2, progress=False, log=lambda s: None)
+
+
+def test_expert_cache_vram_shortage_is_one_clear_error(tiny):
+    from ds4py.errors import ResourceError
+    with pytest.raises(ResourceError, match="not available .* lower --ssd-streaming-cache-experts"):
+        sources.StreamSource(tiny, gpu=FakeGpu(vram_bytes=1 << 20), expert_slots=6, progress=False,
+                             log=lambda s: None)
+
+
+def test_open_source_follows_the_decision(tiny, monkeypatch):
+    from ds4py.io.detect import Decision
+    from ds4py.options import from_env
+    gpu = FakeGpu()
+    real_init = sources.GpuSource.__init__
+    monkeypatch.setattr(sources.GpuSource, "__init__", lambda self, model, **kw: real_init(self, model, gpu=gpu, **kw))
+    opts = from_env({}, copy_chunk_mb="16")
+    cases = [(Decision("device", ("r",), arena_limit=None), "device"),
+             (Decision("device", ("r",), arena_limit=1024), "host-mapped"),
+             (Decision("host-mapped", ("r",)), "host-mapped"),
+             (Decision("page-cache", ("r",), expert_cache_slots=8), "page-cache"),
+             (Decision("stream", ("r",), expert_cache_slots=8, direct_io=True, drop_pages=True), "stream"),
+             (Decision("cpu", ("r",)), "cpu")]
+    for decision, regime in cases:
+        src = sources.open_source(tiny, decision, opts, progress=False, log=lambda s: None)
+        assert src.regime == regime
+        if regime != "cpu":
+            assert src.chunk_bytes == 16 << 20
+        src.close()
