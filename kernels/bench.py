@@ -178,7 +178,8 @@ def copy_bandwidth(timer, nbytes=2 << 30):
         med, _ = timer.time_graph(g, reps=10)
         found[f"numba copy kernel, {blocks} blocks"] = 2 * nbytes / (med * 1e-3)
     try:   # the driver's own device-to-device copy (cuMemcpyDtoDAsync)
-        g = timer.graph(lambda s: dst.copy_to_device(src, stream=s))
+        g = timer.graph(lambda s: dst.copy_to_device(
+            src, stream=cuda.external_stream(int(s.stream.handle))))
         med, _ = timer.time_graph(g, reps=10)
         found["driver memcpy DtoD"] = 2 * nbytes / (med * 1e-3)
     except Exception as e:  # pragma: no cover - depends on the numba/cuda.core versions
@@ -238,10 +239,10 @@ def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s):
         CK.matmul_q4_k(arena, off, rows, K, n_tok, act.xq, act.xd, act.bs, out, s)
 
 
-def bench_dense(timer, copy_bw, rng, log):
+def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES):
     cuda = _cuda()
     rows_out = []
-    for name, t, rows, K in DENSE_SHAPES:
+    for name, t, rows, K in shapes:
         wbytes = rows * F.row_bytes(t, K)
         copies = max(1, math.ceil(ROT_BYTES / wbytes))
         arena = Arena(copies * (wbytes + 256) + 4096, seed=rows + K)
@@ -445,6 +446,31 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
+def bench_tune(timer, copy_bw, rng, log, moe):
+    """Re-time a few shapes under other launch parameters (chunk depth, units per warp)."""
+    from . import cuda as CK
+    res = []
+    saved = (CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN)
+    try:
+        for U in (2, 8):
+            CK._Q8_0_U = U
+            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=[
+                    s for s in DENSE_SHAPES if s[0].startswith(("attn_q_a", "attn_out_b", "output"))]):
+                r["variant"] = f"Q8_0 U={U}"
+                res.append(r)
+                log(f"  [U={U}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+        CK._Q8_0_U = saved[0]
+        for rpb, rdown in ((4, 2), (16, 3)):
+            CK._RPB_GATE_UP, CK._R_DOWN = rpb, rdown
+            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe):
+                r["variant"] = f"gate_up rows/block={rpb}, down units/warp={rdown}"
+                res.append(r)
+                log(f"  [rpb={rpb} R={rdown}] {r['name'][:36]:36s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+    finally:
+        CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN = saved
+    return res
+
+
 def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
     """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
     cuda = _cuda()
@@ -461,13 +487,15 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
         res["layer"] = bench_layer(timer, copy_bw, rng, log, moe)
     if "prefill" in parts:
         res["prefill"] = bench_prefill(timer, rng, log, moe)
+    if "tune" in parts:
+        res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

@@ -243,15 +243,13 @@ def _iq2_tables():
 _NW_DENSE = 8      # warps per block in the dense kernels
 
 
-def _dense_split(rows):
-    """Warps per row: enough warps to fill the GPU when a matrix has few rows."""
-    if rows >= 8192:
-        return 1
-    if rows >= 4096:
-        return 2
-    if rows >= 2048:
-        return 4
-    return 8
+def _dense_split(rows, chunks):
+    """Warps per row (a pure function of the shape, so matmul and matvec agree): enough warps
+    to fill the GPU when a matrix has few rows, but no more than the row has chunks of work."""
+    S = 1 if rows >= 8192 else 2 if rows >= 4096 else 4 if rows >= 2048 else 8
+    while S > 1 and S > chunks:
+        S //= 2
+    return S
 
 
 
@@ -291,41 +289,53 @@ def _cached(key, build):
     return k
 
 
-def _make_q8_0_step(T):
-    """One warp step (8 blocks) of a Q8_0 row for T tokens; `valid` is False only past the end."""
+_Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
+
+
+def _make_q8_0_chunk(T, U):
+    """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
+    each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
 
     @cuda.jit(device=True, forceinline=True)
-    def step_fn(a16, hrow, b, t, valid, xq64, xd, nb, tok0, n_tok, acc):
-        q0 = uint32(0)
-        q1 = uint32(0)
-        wd = float32(0.0)
-        if valid:
-            hb = hrow + 17 * b
-            wd = f16_bits_to_f32(a16[_ix(hb)])
-            q0 = _u16pair(a16, hb + 1 + 4 * t)
-            q1 = _u16pair(a16, hb + 3 + 4 * t)
+    def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
+        q0 = cuda.local.array(U, uint32)
+        q1 = cuda.local.array(U, uint32)
+        wd = cuda.local.array(U, float32)
+        for u in range(U):
+            b = (step0 + u) * 8 + g
+            q0[u] = uint32(0)
+            q1[u] = uint32(0)
+            wd[u] = float32(0.0)
+            if b < nb:
+                hb = hrow + 17 * b
+                wd[u] = f16_bits_to_f32(a16[_ix(hb)])
+                q0[u] = _u16pair(a16, hb + 1 + 4 * t)
+                q1[u] = _u16pair(a16, hb + 3 + 4 * t)
         for tt in range(T):
             tok = tok0 + tt
             if T == 1 or tok < n_tok:          # warp-uniform
-                xv = int64(0)
-                xs = float32(0.0)
-                if valid:
-                    xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
-                    xs = xd[_ix(tok * nb + b)]
-                isum = dp4a(q0, int32(xv & 0xFFFFFFFF), 0)
-                isum = dp4a(q1, int32(xv >> 32), isum)
-                isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
-                isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
-                if valid:
-                    acc[tt] = cuda.fma(wd * xs, float32(isum), acc[tt])
+                for u in range(U):
+                    b = (step0 + u) * 8 + g
+                    valid = b < nb
+                    xv = int64(0)
+                    xs = float32(0.0)
+                    if valid:
+                        xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
+                        xs = xd[_ix(tok * nb + b)]
+                    isum = dp4a(q0[u], int32(xv & 0xFFFFFFFF), 0)
+                    isum = dp4a(q1[u], int32(xv >> 32), isum)
+                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
+                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
+                    if valid:
+                        acc[tt] = cuda.fma(wd[u] * xs, float32(isum), acc[tt])
 
-    return step_fn
+    return chunk_fn
 
 
-def _q8_0_kernel(S, T):
+def _q8_0_kernel(S, T, U=_Q8_0_U):
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    step_fn = _make_q8_0_step(T)
+    chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
     def kernel(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld):
@@ -342,12 +352,11 @@ def _q8_0_kernel(S, T):
             acc[tt] = float32(0.0)
         if row < rows:                      # warp-uniform
             hrow = row_h0 + row * row_h
-            nfull = nb >> 3
-            for step in range(w, nfull, S):
-                step_fn(a16, hrow, step * 8 + g, t, True, xq64, xd, nb, tok0, n_tok, acc)
-            if (nb & 7) != 0 and nfull % S == w:     # the tail step, in its place in the order
-                b = nfull * 8 + g
-                step_fn(a16, hrow, b, t, b < nb, xq64, xd, nb, tok0, n_tok, acc)
+            nchunks = ((nb + 7) // 8 + U - 1) // U
+            # chunks of U steps go round-robin to the S warps of the row; every lane adds its
+            # group's blocks in increasing order
+            for c in range(w, nchunks, S):
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
         for tt in range(T):
             v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -429,9 +438,10 @@ def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
     nb = K // 32
     if off + rows * 34 * nb > 2 * a16.size:
         raise ValueError("Q8_0: tensor runs past the end of the arena")
-    S = _dense_split(rows)
+    U = _Q8_0_U
+    S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     T = _tok_tile(n_tok)
-    kernel = _cached(("q8_0", S, T), lambda: _q8_0_kernel(S, T))
+    kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows)
@@ -451,7 +461,7 @@ def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
     _, a32, _ = _arena_views(arena)
     if off + rows * 2 * K > 4 * a32.size:
         raise ValueError("F16: tensor runs past the end of the arena")
-    S = _dense_split(rows)
+    S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
     T = _tok_tile(n_tok)
     kernel = _cached(("f16", S, T), lambda: _f16_kernel(S, T))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
@@ -485,47 +495,40 @@ def _pad_words(K):
     return k4 + k4 // 8
 
 
-def _make_rowdot(T, step_fn, final_scale):
-    """Row dot product for T tokens from a per-super-block step function (see the lane map)."""
+# Each row dot is split in two phases: `load` fetches the raw weight words a lane needs for a
+# chunk of up to NCH steps (of R rows at once), `compute` turns them into integer dots and f32
+# terms. Loading a whole chunk first gives every lane R*NCH*words independent loads in flight:
+# decode matvecs are latency-bound without that. The per-row arithmetic (steps in order, one
+# f32 accumulator per lane group and token) does not depend on R, NCH or T.
+
+def _make_load_iq2_xxs():
+    NWORDS = 3
 
     @cuda.jit(device=True, forceinline=True)
-    def rowdot(a16, a32, roff, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
-        lane = cuda.laneid
-        q = lane >> 3
-        j = lane & 7
-        acc = cuda.local.array(T, float32)
-        for tt in range(T):
-            acc[tt] = float32(0.0)
-        nfull = nsb >> 2
-        for step in range(nfull):
-            step_fn(a16, a32, roff, nsb, step * 4 + q, j, True, xsrc, xbase, xd, xbs, toks, cnt,
-                    grid_s, ks_s, acc)
-        if (nsb & 3) != 0:
-            sb = nfull * 4 + q
-            step_fn(a16, a32, roff, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, cnt,
-                    grid_s, ks_s, acc)
-        for tt in range(T):
-            res[tt] = final_scale * _sum_groups_of_8_f32(acc[tt])
-
-    return rowdot
-
-
-def _make_step_iq2_xxs(T):
-    """IQ2_XXS: lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte
-    words, then dots them with each token's 32 activation bytes (padded shared layout)."""
-
-    @cuda.jit(device=True, forceinline=True)
-    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
-                ks_s, acc):
-        wv = cuda.local.array(8, uint32)
-        aux0 = uint32(0)
-        aux1 = uint32(0)
-        dbits = uint32(0)
+    def load(a16, a32, roff, sb, j, valid, raw, o):
+        raw[o] = uint32(0)
+        raw[o + 1] = uint32(0)
+        raw[o + 2] = uint32(0)
         if valid:
             hsb = (roff >> 1) + 33 * sb
-            dbits = uint32(a16[_ix(hsb)])
-            aux0 = _u16pair(a16, hsb + 1 + 4 * j)     # 4 grid indices
-            aux1 = _u16pair(a16, hsb + 3 + 4 * j)     # 4 x 7 sign bits, 4-bit scale
+            raw[o] = uint32(a16[_ix(hsb)])                 # f16 d
+            raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)    # 4 grid indices
+            raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)    # 4 x 7 sign bits, 4-bit scale
+
+    return load, NWORDS
+
+
+def _make_compute_iq2_xxs(T):
+    """Lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte words and
+    dots them with each token's 32 activation bytes (padded shared-memory layout)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
+                acc, ao):
+        wv = cuda.local.array(8, uint32)
+        dbits = raw[o]
+        aux0 = raw[o + 1]
+        aux1 = raw[o + 2]
         for l in range(4):
             gv = grid_s[_ix((aux0 >> uint32(8 * l)) & _M8)]
             s8 = uint32(ks_s[_ix((aux1 >> uint32(7 * l)) & uint32(127))])
@@ -543,39 +546,45 @@ def _make_step_iq2_xxs(T):
             if T == 1 or tt < cnt:
                 sumi = int32(0)
                 if valid:
-                    xb = xbase[tt] + xw
+                    xb = xbase[to + tt] + xw
                     for i in range(8):
                         sumi = dp4a(wv[i], xsrc[_ix(xb + i)], sumi)
                 bsum = _sum_lanes_of_8_i32(int32(sumi * ls))
                 if valid:
-                    acc[tt] = cuda.fma(dw * xd[_ix(toks[tt] * nsb + sb)], float32(bsum), acc[tt])
+                    acc[ao + tt] = cuda.fma(dw * xd[_ix(toks[to + tt] * nsb + sb)], float32(bsum),
+                                            acc[ao + tt])
 
-    return step_fn
+    return compute
 
 
-def _make_step_q2_k(T):
-    """Q2_K: lane j owns qs words j and 8+j (32 weights: 4 shifts x 2 halves x 4 bytes)."""
+def _make_load_q2_k():
+    NWORDS = 8
 
     @cuda.jit(device=True, forceinline=True)
-    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
-                ks_s, acc):
-        hj = j >> 2                      # which 16-weight half of each 32-weight chunk
-        sc = cuda.local.array(4, uint32)
-        qw = cuda.local.array(2, uint32)
-        dd = uint32(0)
-        msc = uint32(0)
-        for i in range(4):
-            sc[i] = uint32(0)
-        qw[0] = uint32(0)
-        qw[1] = uint32(0)
+    def load(a16, a32, roff, sb, j, valid, raw, o):
+        for i in range(8):
+            raw[o + i] = uint32(0)
         if valid:
             wsb = (roff >> 2) + 21 * sb
             for i in range(4):
-                sc[i] = a32[_ix(wsb + i)]
-            qw[0] = a32[_ix(wsb + 4 + j)]          # qs bytes 4j..4j+3     (h = 0, l = 4j)
-            qw[1] = a32[_ix(wsb + 12 + j)]         # qs bytes 32+4j..      (h = 1, l = 4j)
-            dd = a32[_ix(wsb + 20)]
-            msc = a32[_ix(wsb + (j >> 1))]         # scale bytes 2j, 2j+1 (for the min sums)
+                raw[o + i] = a32[_ix(wsb + i)]             # the 16 scale/min bytes
+            raw[o + 4] = a32[_ix(wsb + 4 + j)]             # qs bytes 4j..      (h = 0, l = 4j)
+            raw[o + 5] = a32[_ix(wsb + 12 + j)]            # qs bytes 32+4j..   (h = 1, l = 4j)
+            raw[o + 6] = a32[_ix(wsb + 20)]                # f16 d, f16 dmin
+            raw[o + 7] = a32[_ix(wsb + (j >> 1))]          # scale bytes 2j, 2j+1 (min sums)
+
+    return load, NWORDS
+
+
+def _make_compute_q2_k(T):
+    """Lane j owns qs words j and 8+j: 32 weights (4 shifts x 2 halves x 4 bytes)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
+                acc, ao):
+        hj = j >> 2                      # which 16-weight half of each 32-weight chunk
+        dd = raw[o + 6]
+        msc = raw[o + 7]
         d = f16_bits_to_f32(dd & _M16)
         dmin = f16_bits_to_f32(dd >> uint32(16))
         sh = uint32(16 * (j & 1))
@@ -586,57 +595,62 @@ def _make_step_q2_k(T):
                 isum = int32(0)
                 summs = int32(0)
                 if valid:
-                    xb = xbase[tt] + 64 * sb + j
+                    xb = xbase[to + tt] + 64 * sb + j
                     for h in range(2):
+                        qw = raw[o + 4 + h]
                         for s in range(4):
-                            scw = sc[2 * h + (s >> 1)]
+                            scw = raw[o + 2 * h + (s >> 1)]
                             scale = int32((scw >> uint32(8 * (2 * (s & 1) + hj))) & uint32(15))
-                            q2 = (qw[h] >> uint32(2 * s)) & _LOW2
+                            q2 = (qw >> uint32(2 * s)) & _LOW2
                             isum = int32(isum + scale * dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0))
-                    bs = toks[tt] * (16 * nsb) + 16 * sb + 2 * j
+                    bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
                     summs = int32(m0 * xbs[_ix(bs)] + m1 * xbs[_ix(bs + 1)])
                 isum = _sum_lanes_of_8_i32(isum)
                 summs = _sum_lanes_of_8_i32(summs)
                 if valid:
-                    xdv = xd[_ix(toks[tt] * nsb + sb)]
+                    xdv = xd[_ix(toks[to + tt] * nsb + sb)]
                     term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
-                    acc[tt] = acc[tt] + term
+                    acc[ao + tt] = acc[ao + tt] + term
 
-    return step_fn
+    return compute
 
 
-def _make_step_q4_k(T):
-    """Q4_K: lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
+def _make_load_q4_k():
+    NWORDS = 8
 
     @cuda.jit(device=True, forceinline=True)
-    def step_fn(a16, a32, roff, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, cnt, grid_s,
-                ks_s, acc):
-        sw = cuda.local.array(3, uint32)
-        qw = cuda.local.array(4, uint32)
-        scl = cuda.local.array(8, int32)
-        w0 = uint32(0)
-        for i in range(3):
-            sw[i] = uint32(0)
-        for c in range(4):
-            qw[c] = uint32(0)
+    def load(a16, a32, roff, sb, j, valid, raw, o):
+        for i in range(8):
+            raw[o + i] = uint32(0)
         if valid:
             wsb = (roff >> 2) + 36 * sb
-            w0 = a32[_ix(wsb)]
-            for i in range(3):
-                sw[i] = a32[_ix(wsb + 1 + i)]
+            for i in range(4):
+                raw[o + i] = a32[_ix(wsb + i)]             # d, dmin, 12 scale bytes
             for c in range(4):
-                qw[c] = a32[_ix(wsb + 4 + 8 * c + j)]   # chunk c, bytes 4j..4j+3
+                raw[o + 4 + c] = a32[_ix(wsb + 4 + 8 * c + j)]   # chunk c, bytes 4j..4j+3
+
+    return load, NWORDS
+
+
+def _make_compute_q4_k(T):
+    """Lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
+                acc, ao):
+        scl = cuda.local.array(8, int32)
+        w0 = raw[o]
         d = f16_bits_to_f32(w0 & _M16)
         dmin = f16_bits_to_f32(w0 >> uint32(16))
         mine = int32(0)
-        for k in range(8):       # 6-bit scales and mins (ggml's packing)
+        for k in range(8):       # 6-bit scales and mins (ggml's packing); scale bytes in words 1..3
             if k < 4:
-                scl[k] = int32((sw[k >> 2] >> uint32(8 * (k & 3))) & uint32(63))
-                mk = int32((sw[(k + 4) >> 2] >> uint32(8 * ((k + 4) & 3))) & uint32(63))
+                scl[k] = int32((raw[o + 1 + (k >> 2)] >> uint32(8 * (k & 3))) & uint32(63))
+                mk = int32((raw[o + 1 + ((k + 4) >> 2)] >> uint32(8 * ((k + 4) & 3))) & uint32(63))
             else:
-                b_hi = (sw[(k + 4) >> 2] >> uint32(8 * ((k + 4) & 3))) & _M8
-                b_lo = (sw[(k - 4) >> 2] >> uint32(8 * ((k - 4) & 3))) & _M8
-                b_k = (sw[k >> 2] >> uint32(8 * (k & 3))) & _M8
+                b_hi = (raw[o + 1 + ((k + 4) >> 2)] >> uint32(8 * ((k + 4) & 3))) & _M8
+                b_lo = (raw[o + 1 + ((k - 4) >> 2)] >> uint32(8 * ((k - 4) & 3))) & _M8
+                b_k = (raw[o + 1 + (k >> 2)] >> uint32(8 * (k & 3))) & _M8
                 scl[k] = int32((b_hi & uint32(15)) | ((b_lo >> uint32(6)) << uint32(4)))
                 mk = int32((b_hi >> uint32(4)) | ((b_k >> uint32(6)) << uint32(4)))
             if k == j:
@@ -646,45 +660,83 @@ def _make_step_q4_k(T):
                 isum = int32(0)
                 summs = int32(0)
                 if valid:
-                    xb = xbase[tt] + 64 * sb + j
+                    xb = xbase[to + tt] + 64 * sb + j
                     for c in range(4):
-                        lo = dp4a(qw[c] & _LOW4, xsrc[_ix(xb + 16 * c)], 0)
-                        hi = dp4a((qw[c] >> uint32(4)) & _LOW4, xsrc[_ix(xb + 16 * c + 8)], 0)
+                        qw = raw[o + 4 + c]
+                        lo = dp4a(qw & _LOW4, xsrc[_ix(xb + 16 * c)], 0)
+                        hi = dp4a((qw >> uint32(4)) & _LOW4, xsrc[_ix(xb + 16 * c + 8)], 0)
                         isum = int32(isum + scl[2 * c] * lo + scl[2 * c + 1] * hi)
-                    bs = toks[tt] * (16 * nsb) + 16 * sb + 2 * j
+                    bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
                     summs = int32(mine * (xbs[_ix(bs)] + xbs[_ix(bs + 1)]))
                 isum = _sum_lanes_of_8_i32(isum)
                 summs = _sum_lanes_of_8_i32(summs)
                 if valid:
-                    xdv = xd[_ix(toks[tt] * nsb + sb)]
+                    xdv = xd[_ix(toks[to + tt] * nsb + sb)]
                     term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
-                    acc[tt] = acc[tt] + term
+                    acc[ao + tt] = acc[ao + tt] + term
 
-    return step_fn
-
-
-def _make_rowdot_iq2_xxs(T):
-    return _make_rowdot(T, _make_step_iq2_xxs(T), float32(0.125))
+    return compute
 
 
-def _make_rowdot_q2_k(T):
-    return _make_rowdot(T, _make_step_q2_k(T), float32(1.0))
+_LOADERS = {F.IQ2_XXS: _make_load_iq2_xxs, F.Q2_K: _make_load_q2_k, F.Q4_K: _make_load_q4_k}
+_COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
+              F.Q4_K: _make_compute_q4_k}
+_FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_rowdot_q4_k(T):
-    return _make_rowdot(T, _make_step_q4_k(T), float32(1.0))
+def _make_rowdots(wtype, T, R, NCH):
+    """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
+
+    Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
+    xbase[r*T + tt] in xsrc. Lane map: lane = 8*q + j; a step covers 4 super-blocks, group q
+    takes super-block 4*step + q, lane j one 32-weight slice of it; the 8 lanes add their
+    integer partials exactly, then accumulate the super-block's f32 term; at the end a fixed
+    butterfly (lane xor 16, 8) adds the 4 groups."""
+    load, NWORDS = _LOADERS[wtype]()
+    compute = _COMPUTERS[wtype](T)
+    scale = float32(_FINAL_SCALE[wtype])
+    NACC = R * T                  # local array sizes must be plain constants for numba
+    NRAW = R * NCH * NWORDS
+
+    @cuda.jit(device=True, forceinline=True)
+    def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
+        lane = cuda.laneid
+        q = lane >> 3
+        j = lane & 7
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0.0)
+        raw = cuda.local.array(NRAW, uint32)
+        nsteps = (nsb + 3) >> 2
+        for c0 in range(0, nsteps, NCH):
+            for r in range(R):
+                for u in range(NCH):
+                    sb = (c0 + u) * 4 + q
+                    load(a16, a32, roffs[r], sb, j, sb < nsb, raw, (r * NCH + u) * NWORDS)
+            for r in range(R):
+                for u in range(NCH):
+                    sb = (c0 + u) * 4 + q
+                    compute(raw, (r * NCH + u) * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd,
+                            xbs, toks, r * T, cnt, grid_s, ks_s, acc, r * T)
+        for i in range(NACC):
+            res[i] = scale * _sum_groups_of_8_f32(acc[i])
+
+    return rowdots
 
 
-_ROWDOT_MAKERS = {F.IQ2_XXS: _make_rowdot_iq2_xxs, F.Q2_K: _make_rowdot_q2_k,
-                  F.Q4_K: _make_rowdot_q4_k}
 _ROWDOTS = {}
 
 
-def _rowdot(wtype, T):
-    key = (wtype, T)
+def _rowdots(wtype, T, R, NCH):
+    key = (wtype, T, R, NCH)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _ROWDOT_MAKERS[wtype](T)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH)
     return _ROWDOTS[key]
+
+
+def _nch(K):
+    """Steps per load chunk: the whole row up to 4 steps (K = 4096)."""
+    return max(1, min(4, (K // 256 + 3) // 4))
 
 
 def _stages_x(wtype):
@@ -695,8 +747,8 @@ def _stages_x(wtype):
 def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
     for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
         grid_s[i] = grid_g[i]
-    if cuda.threadIdx.x < 128:
-        ks_s[cuda.threadIdx.x] = ks_g[cuda.threadIdx.x]
+    for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
+        ks_s[i] = ks_g[i]
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -709,44 +761,49 @@ def _stage_row(xs, dst, xq32, src, k4):
 _NW_Q8K = 8   # warps per block in the Q8_K-activation kernels
 
 
-def _q8k_dense_kernel(wtype, T, R):
-    """matvec / matmul for IQ2_XXS, Q2_K, Q4_K: warp per row, R rows per warp, T tokens."""
-    rowdot = _rowdot(wtype, T)
+def _q8k_dense_kernel(wtype, T, R, NCH):
+    """matvec / matmul for IQ2_XXS, Q2_K, Q4_K: each warp does R rows at once, T tokens."""
+    rowdots = _rowdots(wtype, T, R, NCH)
     stage = _stages_x(wtype)
-    RPB = _NW_Q8K * R
+    RT = R * T
 
     @cuda.jit
     def kernel(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
-        warp = cuda.threadIdx.x // WARP
-        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
         tok0 = cuda.blockIdx.y * T
         cnt = min(T, n_tok - tok0)
         k4 = nsb * 64
         pad = k4 + k4 // 8
-        toks = cuda.local.array(T, int64)
-        xbase = cuda.local.array(T, int64)
-        for tt in range(T):
-            toks[tt] = tok0 + tt if tt < cnt else tok0
-            xbase[tt] = tt * pad if stage else toks[tt] * k4
+        toks = cuda.local.array(RT, int64)
+        xbase = cuda.local.array(RT, int64)
+        for r in range(R):
+            for tt in range(T):
+                toks[r * T + tt] = tok0 + tt if tt < cnt else tok0
+                xbase[r * T + tt] = tt * pad if stage else toks[r * T + tt] * k4
         if stage:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for tt in range(T):
                 if tt < cnt:
-                    _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
+                    _stage_row(xs, tt * pad, xq32, (tok0 + tt) * k4, k4)
             cuda.syncthreads()
-        res = cuda.local.array(T, float32)
-        for i in range(R):
-            row = cuda.blockIdx.x * RPB + i * _NW_Q8K + warp
-            if row < rows:                 # warp-uniform
-                rowdot(a16, a32, off + row * rb, nsb, xs if stage else xq32, xbase, xd, xbs,
-                       toks, cnt, grid_s, ks_s, res)
-                if lane == 0:
-                    for tt in range(T):
-                        if tt < cnt:
-                            out[(tok0 + tt) * out_ld + row] = res[tt]
+        row0 = (cuda.blockIdx.x * _NW_Q8K + warp) * R
+        if row0 < rows:                                   # warp-uniform
+            roffs = cuda.local.array(R, int64)
+            for r in range(R):
+                roffs[r] = off + min(row0 + r, rows - 1) * rb   # a short last group repeats a row
+            res = cuda.local.array(RT, float32)
+            rowdots(a16, a32, roffs, nsb, xs if stage else xq32, xbase, xd, xbs, toks, cnt,
+                    grid_s, ks_s, res)
+            if lane == 0:
+                for r in range(R):
+                    if row0 + r < rows:
+                        for tt in range(T):
+                            if tt < cnt:
+                                out[(tok0 + tt) * out_ld + row0 + r] = res[r * T + tt]
 
     return kernel
 
@@ -773,15 +830,21 @@ def _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, arena_bytes):
         raise ValueError(f"{name}: needs the Q8_K bsums (n_tok*K/16 int32)")
     if off + rows * rb > arena_bytes:
         raise ValueError(f"{name}: tensor runs past the end of the arena")
+    if 4 * 4 * _pad_words(K) > 48 * 1024:
+        raise ValueError(f"{name}: K = {K} is too wide for the shared-memory activation tile")
     return rb
+
+
+_R_DENSE_Q8K = 2
 
 
 def _matmul_q8k(wtype, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream):
     a16, a32, a8 = _arena_views(arena)
     rb = _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, a8.size)
     T = 1 if n_tok == 1 else 4
-    R = 2
-    kernel = _cached(("q8k_dense", wtype, T, R), lambda: _q8k_dense_kernel(wtype, T, R))
+    R = _R_DENSE_Q8K
+    NCH = _nch(K)
+    kernel = _cached(("q8k_dense", wtype, T, R, NCH), lambda: _q8k_dense_kernel(wtype, T, R, NCH))
     grid_g, ks_g = _iq2_tables()
     shmem = 4 * T * _pad_words(K) if _stages_x(wtype) else 0
     rpb = _NW_Q8K * R
@@ -797,6 +860,7 @@ def matmul_iq2_xxs(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
 
 
 def matvec_iq2_xxs(arena, off, rows, K, xq, xd, out, stream=0):
+    """IQ2_XXS weights x one Q8_K activation -> out[rows]."""
     _matmul_q8k(F.IQ2_XXS, arena, off, rows, K, 1, xq, xd, None, out, stream)
 
 
@@ -806,6 +870,7 @@ def matmul_q2_k(arena, off, rows, K, n_tok, xq, xd, bsums, out, stream=0):
 
 
 def matvec_q2_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
+    """Q2_K weights x one Q8_K activation (with bsums) -> out[rows]."""
     _matmul_q8k(F.Q2_K, arena, off, rows, K, 1, xq, xd, bsums, out, stream)
 
 
@@ -815,6 +880,7 @@ def matmul_q4_k(arena, off, rows, K, n_tok, xq, xd, bsums, out, stream=0):
 
 
 def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
+    """Q4_K weights x one Q8_K activation (with bsums) -> out[rows]."""
     _matmul_q8k(F.Q4_K, arena, off, rows, K, 1, xq, xd, bsums, out, stream)
 
 
@@ -824,15 +890,20 @@ def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
 #
 # Decode, 4 launches, all graph-capturable (expert addresses and route weights in device memory):
 #   quantize_q8_k(x)                          -> xq
-#   moe_gate_up: grid (rows, n_used slots)    -> mid[k] = silu(min(g, c)) * clip(u, -c, c) * w_k
+#   moe_gate_up: a block stages xq once and computes rows [r0, r0+RPB) of every slot; a warp
+#                takes one (row, slot) unit at a time, gate and up rows loaded together:
+#                mid[k, r] = silu(min(g, c)) * clip(u, -c, c) * w_k
 #   quantize_q8_k(mid)  (n_used*n_ff values)  -> mq
-#   moe_down:    one warp per output row, loops the slots in order and adds their dot products
-#                in registers: one write per output, no atomics.
-# Prefill uses the same row dot products on tiles of up to T (token, slot) pairs that share an
-# expert, writes each pair's down result, and adds them per token in slot order (moe_sum), so
-# every token equals its decode result bit for bit.
+#   moe_down:    a block owns a few output rows and all their slots; each warp computes R
+#                (row, slot) dots at once, then the slot results of a row are added in slot
+#                order (0 + r_0 + r_1 + ...): one write per output, no atomics.
+# Prefill runs the same row dots on tiles of up to T (token, slot) pairs that share an expert,
+# writes each pair's down result, and adds them per token in slot order (moe_sum): every token
+# equals its decode result bit for bit.
 
-_NW_MOE = 8
+_NW_MOE = 8          # warps per block
+_RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
+_R_DOWN = 3          # (row, slot) units per warp in the down decode kernel
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -842,10 +913,106 @@ def _swiglu(g, u, clamp, w):
     return g / (float32(1.0) + math.exp(-g)) * u * w
 
 
-def _moe_gate_up_kernel(wtype, T, R):
-    rowdot = _rowdot(wtype, T)
+def _moe_gate_up_decode_kernel(wtype, NCH):
+    rowdots = _rowdots(wtype, 1, 2, NCH)      # gate row and up row together
     stage = _stages_x(wtype)
-    RPB = _NW_MOE * R
+
+    @cuda.jit
+    def kernel(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp, n_ff, rb, rpb,
+               mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        c32 = float32(clamp)
+        k4 = nsb * 64
+        toks = cuda.local.array(2, int64)
+        xbase = cuda.local.array(2, int64)
+        toks[0] = 0
+        toks[1] = 0
+        xbase[0] = 0
+        xbase[1] = 0
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            _stage_row(xs, 0, xq32, 0, k4)
+            cuda.syncthreads()
+        roffs = cuda.local.array(2, int64)
+        res = cuda.local.array(2, float32)
+        r0 = cuda.blockIdx.x * rpb
+        n_units = min(rpb, n_ff - r0) * n_used
+        for unit in range(warp, n_units, _NW_MOE):     # warp-uniform loop
+            r = r0 + unit // n_used
+            k = unit % n_used
+            roffs[0] = slot_off[k * 3] + r * rb
+            roffs[1] = slot_off[k * 3 + 1] + r * rb
+            rowdots(a16, a32, roffs, nsb, xs if stage else xq32, xbase, xd, xbs, toks, 1,
+                    grid_s, ks_s, res)
+            if lane == 0:
+                mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
+
+    return kernel
+
+
+def _moe_down_decode_kernel(wtype, NCH, R):
+    rowdots = _rowdots(wtype, 1, R, NCH)
+    stage = _stages_x(wtype)
+    UPB = _NW_MOE * R                  # (row, slot) units per block
+
+    @cuda.jit
+    def kernel(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out, grid_g,
+               ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        part = cuda.shared.array(UPB, float32)
+        xs = cuda.shared.array(0, int32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        k4 = nsb * 64
+        pad = k4 + k4 // 8
+        if stage:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            for k in range(n_used):
+                _stage_row(xs, k * pad, mq32, k * k4, k4)
+            cuda.syncthreads()
+        r0 = cuda.blockIdx.x * rpb
+        n_units = min(rpb, n_embd - r0) * n_used
+        u0 = warp * R
+        if u0 < n_units:                                   # warp-uniform
+            roffs = cuda.local.array(R, int64)
+            toks = cuda.local.array(R, int64)
+            xbase = cuda.local.array(R, int64)
+            for i in range(R):
+                unit = min(u0 + i, n_units - 1)
+                r = r0 + unit // n_used
+                k = unit % n_used
+                roffs[i] = slot_off[k * 3 + 2] + r * rb
+                toks[i] = k
+                xbase[i] = k * pad if stage else k * k4
+            res = cuda.local.array(R, float32)
+            rowdots(a16, a32, roffs, nsb, xs if stage else mq32, xbase, md, mbs, toks, 1,
+                    grid_s, ks_s, res)
+            if lane == 0:
+                for i in range(R):
+                    if u0 + i < n_units:
+                        part[u0 + i] = res[i]
+        cuda.syncthreads()
+        t = cuda.threadIdx.x
+        if t < rpb and r0 + t < n_embd:
+            acc = float32(0.0)
+            for k in range(n_used):          # slot order, as ds4 adds them
+                acc = acc + part[t * n_used + k]
+            out[r0 + t] = acc
+
+    return kernel
+
+
+def _moe_gate_up_tiles_kernel(wtype, T, NCH):
+    """Prefill: each block takes one tile (<= T (token, slot) pairs sharing an expert) and
+    NW rows; gate and up for all pairs of the tile, the same arithmetic as decode."""
+    rowdots = _rowdots(wtype, T, 2, NCH)
+    stage = _stages_x(wtype)
+    T2 = 2 * T
 
     @cuda.jit
     def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, xbs, nsb,
@@ -857,86 +1024,45 @@ def _moe_gate_up_kernel(wtype, T, R):
         cnt = tile_cnt[tile]
         if cnt <= 0:                      # block-uniform
             return
-        warp = cuda.threadIdx.x // WARP
-        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
         c32 = float32(clamp)
         k4 = nsb * 64
         pad = k4 + k4 // 8
-        toks = cuda.local.array(T, int64)
-        xbase = cuda.local.array(T, int64)
+        toks = cuda.local.array(T2, int64)
+        xbase = cuda.local.array(T2, int64)
         for tt in range(T):
-            toks[tt] = tile_tok[tile * T + tt] if tt < cnt else tile_tok[tile * T]
-            xbase[tt] = tt * pad if stage else toks[tt] * k4
+            tok = tile_tok[tile * T + tt] if tt < cnt else tile_tok[tile * T]
+            for r in range(2):
+                toks[r * T + tt] = tok
+                xbase[r * T + tt] = tt * pad if stage else tok * k4
         if stage:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for tt in range(T):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
             cuda.syncthreads()
-        gate0 = tile_off[tile * 3]
-        up0 = tile_off[tile * 3 + 1]
-        gres = cuda.local.array(T, float32)
-        ures = cuda.local.array(T, float32)
-        for i in range(R):
-            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
-            if r < n_ff:                  # warp-uniform
-                src = xs if stage else xq32
-                rowdot(a16, a32, gate0 + r * rb, nsb, src, xbase, xd, xbs, toks, cnt,
-                       grid_s, ks_s, gres)
-                rowdot(a16, a32, up0 + r * rb, nsb, src, xbase, xd, xbs, toks, cnt,
-                       grid_s, ks_s, ures)
-                if lane == 0:
-                    for tt in range(T):
-                        if tt < cnt:
-                            pair = toks[tt] * n_used + tile_slot[tile * T + tt]
-                            mid[pair * n_ff + r] = _swiglu(gres[tt], ures[tt], c32, route_w[pair])
+        r = cuda.blockIdx.x * _NW_MOE + warp
+        if r < n_ff:                          # warp-uniform
+            roffs = cuda.local.array(2, int64)
+            roffs[0] = tile_off[tile * 3] + r * rb
+            roffs[1] = tile_off[tile * 3 + 1] + r * rb
+            res = cuda.local.array(T2, float32)
+            rowdots(a16, a32, roffs, nsb, xs if stage else xq32, xbase, xd, xbs, toks, cnt,
+                    grid_s, ks_s, res)
+            if lane == 0:
+                for tt in range(T):
+                    if tt < cnt:
+                        pair = toks[tt] * n_used + tile_slot[tile * T + tt]
+                        mid[pair * n_ff + r] = _swiglu(res[tt], res[T + tt], c32, route_w[pair])
 
     return kernel
 
 
-def _moe_down_decode_kernel(wtype, R):
-    rowdot = _rowdot(wtype, 1)
-    stage = _stages_x(wtype)
-    RPB = _NW_MOE * R
-
-    @cuda.jit
-    def kernel(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out, grid_g, ks_g):
-        grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
-        xs = cuda.shared.array(0, int32)
-        warp = cuda.threadIdx.x // WARP
-        lane = cuda.threadIdx.x % WARP
-        k4 = nsb * 64
-        pad = k4 + k4 // 8
-        if stage:
-            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
-            for k in range(n_used):
-                _stage_row(xs, k * pad, mq32, k * k4, k4)
-            cuda.syncthreads()
-        toks = cuda.local.array(1, int64)
-        xbase = cuda.local.array(1, int64)
-        res = cuda.local.array(1, float32)
-        for i in range(R):
-            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
-            if r < n_embd:
-                acc = float32(0.0)
-                for k in range(n_used):   # slot order, as ds4 adds them
-                    toks[0] = k
-                    xbase[0] = k * pad if stage else k * k4
-                    rowdot(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, xs if stage else mq32,
-                           xbase, md, mbs, toks, 1, grid_s, ks_s, res)
-                    acc = acc + res[0]
-                if lane == 0:
-                    out[r] = acc
-
-    return kernel
-
-
-def _moe_down_tiles_kernel(wtype, T, R):
+def _moe_down_tiles_kernel(wtype, T, NCH):
     """Prefill: each (token, slot) pair's down projection, written to pair_out[pair, n_embd]."""
-    rowdot = _rowdot(wtype, T)
+    rowdots = _rowdots(wtype, T, 1, NCH)
     stage = _stages_x(wtype)
-    RPB = _NW_MOE * R
 
     @cuda.jit
     def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
@@ -948,8 +1074,8 @@ def _moe_down_tiles_kernel(wtype, T, R):
         cnt = tile_cnt[tile]
         if cnt <= 0:
             return
-        warp = cuda.threadIdx.x // WARP
-        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
         k4 = nsb * 64
         pad = k4 + k4 // 8
         toks = cuda.local.array(T, int64)     # here: the pair's row in the quantized mid
@@ -964,17 +1090,17 @@ def _moe_down_tiles_kernel(wtype, T, R):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, mq32, toks[tt] * k4, k4)
             cuda.syncthreads()
-        down0 = tile_off[tile * 3 + 2]
-        res = cuda.local.array(T, float32)
-        for i in range(R):
-            r = cuda.blockIdx.x * RPB + i * _NW_MOE + warp
-            if r < n_embd:
-                rowdot(a16, a32, down0 + r * rb, nsb, xs if stage else mq32, xbase, md, mbs,
-                       toks, cnt, grid_s, ks_s, res)
-                if lane == 0:
-                    for tt in range(T):
-                        if tt < cnt:
-                            pair_out[toks[tt] * n_embd + r] = res[tt]
+        r = cuda.blockIdx.x * _NW_MOE + warp
+        if r < n_embd:
+            roffs = cuda.local.array(1, int64)
+            roffs[0] = tile_off[tile * 3 + 2] + r * rb
+            res = cuda.local.array(T, float32)
+            rowdots(a16, a32, roffs, nsb, xs if stage else mq32, xbase, md, mbs, toks, cnt,
+                    grid_s, ks_s, res)
+            if lane == 0:
+                for tt in range(T):
+                    if tt < cnt:
+                        pair_out[toks[tt] * n_embd + r] = res[tt]
 
     return kernel
 
@@ -1014,33 +1140,15 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
         int(stride_down), _flat(slot_offsets))
 
 
-class _DecodeTiles:
-    """Constant tile tables that make the decode MoE the T=1 case of the tiled kernels."""
-
-    def __init__(self, n_used):
-        self.tok = cuda.to_device(np.zeros(n_used, np.int32))
-        self.slot = cuda.to_device(np.arange(n_used, dtype=np.int32))
-        self.cnt = cuda.to_device(np.ones(n_used, np.int32))
-
-
-_DECODE_TILES = {}
-
-
-def _decode_tiles(n_used):
-    if n_used not in _DECODE_TILES:
-        _DECODE_TILES[n_used] = _DecodeTiles(n_used)
-    return _DECODE_TILES[n_used]
-
-
-_R_GATE_UP = 2
-_R_DOWN = 1
-
-
 def _check_moe_types(gate_type, down_type):
     for t in (gate_type, down_type):
-        if t not in _ROWDOT_MAKERS:
+        if t not in _LOADERS:
             raise ValueError(f"MoE experts of type {F.TYPE_NAMES.get(t, t)} are not supported "
                              "(IQ2_XXS, Q2_K, Q4_K)")
+
+
+def _shmem_x(wtype, n_rows, K):
+    return 4 * n_rows * _pad_words(K) if _stages_x(wtype) else 0
 
 
 def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, clamp, mid,
@@ -1048,29 +1156,22 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     """Gate and up of every selected expert in ONE launch, with ds4's clamped SwiGLU and the
     route weight: mid[k, r] = silu(min(g, c)) * clip(u, -c, c) * route_w[k].
 
-    slot_offsets: device int64[n_used, 3] byte offsets (gate, up, down) into arena;
-    xq/xd(/bsums): the token's Q8_K activation; route_w: device f32[n_used]; mid: f32[n_used, n_ff].
+    slot_offsets: device int64[n_used, 3] byte offsets (gate, up, down) into arena (expert
+    tensors 4-byte aligned); xq/xd(/bsums): the token's Q8_K activation; route_w: device
+    f32[n_used]; mid: f32[n_used, n_ff]. bsums is needed for Q2_K / Q4_K gate and up.
     """
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _ = _arena_views(arena)
-    tiles = _decode_tiles(n_used)
-    _launch_gate_up(gate_type, 1, a16, a32, _flat(slot_offsets), tiles.tok, tiles.slot, tiles.cnt,
-                    n_used, n_used, n_embd, n_ff, xq, xd, bsums, route_w, clamp, mid, stream)
-
-
-def _launch_gate_up(gate_type, T, a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_tiles,
-                    n_used, n_embd, n_ff, xq, xd, bsums, route_w, clamp, mid, stream):
-    R = _R_GATE_UP
-    kernel = _cached(("moe_gu", gate_type, T, R), lambda: _moe_gate_up_kernel(gate_type, T, R))
+    NCH = _nch(n_embd)
+    kernel = _cached(("moe_gu_dec", gate_type, NCH),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH))
     grid_g, ks_g = _iq2_tables()
-    shmem = 4 * T * _pad_words(n_embd) if _stages_x(gate_type) else 0
-    rpb = _NW_MOE * R
-    grid = ((n_ff + rpb - 1) // rpb, n_tiles)
-    kernel[grid, _NW_MOE * WARP, _stream(stream), shmem](
-        a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, _as_i32(xq), _flat(xd),
+    rpb = _RPB_GATE_UP
+    kernel[(n_ff + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream), _shmem_x(gate_type, 1, n_embd)](
+        a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
         _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
-        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), _flat(mid), grid_g, ks_g)
+        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), grid_g, ks_g)
 
 
 def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0):
@@ -1080,15 +1181,19 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     _check_moe_types(down_type, down_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _ = _arena_views(arena)
+    NCH = _nch(n_ff)
     R = _R_DOWN
-    kernel = _cached(("moe_down", down_type, R), lambda: _moe_down_decode_kernel(down_type, R))
+    if n_used > _NW_MOE * R:
+        raise ValueError(f"moe_down: at most {_NW_MOE * R} experts per token")
+    kernel = _cached(("moe_down_dec", down_type, NCH, R),
+                     lambda: _moe_down_decode_kernel(down_type, NCH, R))
     grid_g, ks_g = _iq2_tables()
-    shmem = 4 * n_used * _pad_words(n_ff) if _stages_x(down_type) else 0
-    rpb = _NW_MOE * R
-    kernel[(n_embd + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream), shmem](
+    rpb = (_NW_MOE * R) // n_used
+    kernel[(n_embd + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream),
+           _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
-        F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g)
+        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), grid_g, ks_g)
 
 
 class MoEWorkspace:
@@ -1103,7 +1208,6 @@ class MoEWorkspace:
         self.mq = cuda.device_array(n_used * n_ff, np.int8)
         self.md = cuda.device_array(n_used * n_ff // 256, np.float32)
         self.mbs = cuda.device_array(n_used * n_ff // 16, np.int32)
-        _decode_tiles(n_used)
         _iq2_tables()
         _dummy_i32()
 
@@ -1171,17 +1275,21 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     mbs = cuda.device_array(n_tok * n_used * n_ff // 16, np.int32, stream=s)
     pair_out = cuda.device_array(n_tok * n_used * n_embd, np.float32, stream=s)
     a16, a32, _ = _arena_views(arena)
-    quantize_q8_k(X, xq, xd, xbs, s)
-    _launch_gate_up(gate_type, T, a16, a32, d_off, d_tok, d_slot, d_cnt, n_tiles, n_used, n_embd,
-                    n_ff, xq, xd, xbs, route_w, clamp, mid, s)
-    quantize_q8_k(mid, mq, md, mbs, s)
-    R = _R_DOWN
-    kernel = _cached(("moe_down_tiles", down_type, T, R),
-                     lambda: _moe_down_tiles_kernel(down_type, T, R))
     grid_g, ks_g = _iq2_tables()
-    shmem = 4 * T * _pad_words(n_ff) if _stages_x(down_type) else 0
-    rpb = _NW_MOE * R
-    kernel[((n_embd + rpb - 1) // rpb, n_tiles), _NW_MOE * WARP, s, shmem](
+    quantize_q8_k(X, xq, xd, xbs, s)
+    NCH = _nch(n_embd)
+    gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
+                 lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
+    gu[((n_ff + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+       _shmem_x(gate_type, T, n_embd)](
+        a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
+        _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
+    quantize_q8_k(mid, mq, md, mbs, s)
+    NCH = _nch(n_ff)
+    dn = _cached(("moe_down_tiles", down_type, T, NCH),
+                 lambda: _moe_down_tiles_kernel(down_type, T, NCH))
+    dn[((n_embd + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+       _shmem_x(down_type, T, n_ff)](
         a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
         F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
     n_out = n_tok * n_embd

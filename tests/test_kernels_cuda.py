@@ -75,6 +75,7 @@ def test_quantizers_bit_identical_to_cpu():
 
 def _prepare(t, X):
     """Device activation for type t from host f32 X[n_tok, K]: (xq, xd, bsums) or (X,)."""
+    X = np.ascontiguousarray(X, dtype=np.float32)
     n_tok, Kd = X.shape
     dX = cuda.to_device(X)
     if t == F.Q8_0:
