@@ -27,7 +27,7 @@ import functools
 import inspect
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ds4py.errors import Ds4Error

@@ -21,7 +21,7 @@ Auto picks device if model + KV + scratch fit the VRAM budget (free - max(2 GiB,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 GiB = 1 << 30
 MiB = 1 << 20
