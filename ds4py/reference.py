@@ -61,6 +61,15 @@ class RefWeights:
             self._cache[name] = w
         return w
 
+    def get_f32(self, name: str) -> np.ndarray:
+        """A large quantized tensor dequantized to f32 only (exact for Q8_0), cached."""
+        key = name + "#f32"
+        w = self._cache.get(key)
+        if w is None:
+            w = dequantize(np.ascontiguousarray(self.raw(name)), self.ggml_type(name))
+            self._cache[key] = w
+        return w
+
     def expert(self, name: str, e: int) -> np.ndarray:
         """One routed expert's matrix [rows, cols] as float64."""
         key = f"{name}#{e}"
@@ -584,12 +593,12 @@ def output_head(w: RefWeights, s, X: np.ndarray) -> np.ndarray:
 
 
 def output_logits(w: RefWeights, z: np.ndarray) -> np.ndarray:
-    """The vocabulary projection, in slices so the float64 copy of the head stays small."""
-    raw = w.raw("output.weight")
+    """The vocabulary projection. Q8_0 weights are exact in f32 (f16 scale × int8), so the head is
+    kept dequantized as f32 and multiplied in float64 slice by slice."""
+    head = w.get_f32("output.weight")
     zq = q8_0_activation(z)
-    out = np.empty(raw.shape[0])
+    out = np.empty(head.shape[0])
     step = 16384
-    for start in range(0, raw.shape[0], step):
-        rows = dequantize(np.ascontiguousarray(raw[start:start + step]), GGML_Q8_0)
-        out[start:start + step] = rows.astype(np.float64) @ zq
+    for start in range(0, head.shape[0], step):
+        out[start:start + step] = head[start:start + step].astype(np.float64) @ zq
     return out
