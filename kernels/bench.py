@@ -501,3 +501,20 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+def profile_target():
+    """A short run for a profiler (ncu): routed MoE decode, a Q8_0 matvec, warmed up first."""
+    from . import cuda as CK
+    cuda = _cuda()
+    rng = np.random.default_rng(0)
+    moe = _moe_setup(rng, n_exp=64)
+    step = _MoEStep(moe, rng)
+    arena = Arena(4096 * F.row_bytes(F.Q8_0, 8192) + 4096, seed=5)
+    off = arena.place(F.Q8_0, 4096, 8192)
+    act = _Act(F.Q8_0, 1, 8192, rng)
+    out = cuda.device_array(4096, np.float32)
+    for _ in range(3):
+        step.full(0)
+        CK.matvec_q8_0(arena.buf, off, 4096, 8192, act.xq, act.xd, out)
+    cuda.synchronize()

@@ -29,7 +29,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import dp4a, f16_bits_to_f32
+from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, negate_bytes
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -42,8 +42,6 @@ _M8 = np.uint32(0xFF)
 _M16 = np.uint32(0xFFFF)
 _LOW2 = np.uint32(0x03030303)
 _LOW4 = np.uint32(0x0F0F0F0F)
-_ONES = np.uint32(0x01010101)
-_SPREAD4 = np.uint32(0x00204081)   # n * this puts bit k of a nibble at bit 8k
 
 
 # ============================================================================================
@@ -152,7 +150,20 @@ def _stream(stream):
 
 
 def _flat(a):
-    return a.reshape(a.size) if a.ndim != 1 else a
+    """1-D view of a contiguous device array (numba refuses some size-1-dim reshapes)."""
+    if a.ndim == 1:
+        return a
+    try:
+        return a.reshape(a.size)
+    except NotImplementedError:
+        dims = [(n, st) for n, st in zip(a.shape, a.strides) if n != 1]
+        expect = a.dtype.itemsize
+        for n, st in reversed(dims):
+            if st != expect:
+                raise
+            expect *= n
+        return type(a)(shape=(a.size,), strides=(a.dtype.itemsize,), dtype=a.dtype,
+                       gpu_data=a.gpu_data)
 
 
 def quantize_q8_0(x, q, d, stream=0):
@@ -345,25 +356,30 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
         g = lane >> 2
         t = lane & 3
         w = warp % S
-        row = cuda.blockIdx.x * RPB + warp // S
         tok0 = cuda.blockIdx.y * T
         acc = cuda.local.array(T, float32)
-        for tt in range(T):
-            acc[tt] = float32(0.0)
-        if row < rows:                      # warp-uniform
-            hrow = row_h0 + row * row_h
-            nchunks = ((nb + 7) // 8 + U - 1) // U
-            # chunks of U steps go round-robin to the S warps of the row; every lane adds its
-            # group's blocks in increasing order
-            for c in range(w, nchunks, S):
-                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
-        for tt in range(T):
-            v = acc[tt]
-            v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
-            v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
-            v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-            acc[tt] = v
-        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+        nchunks = ((nb + 7) // 8 + U - 1) // U
+        # blocks loop over row groups (grid-stride), so a grid sized to the resident capacity
+        # has no partly filled last wave; the loop bounds are block-uniform (syncthreads inside)
+        for base in range(cuda.blockIdx.x * RPB, rows, cuda.gridDim.x * RPB):
+            row = base + warp // S
+            for tt in range(T):
+                acc[tt] = float32(0.0)
+            if row < rows:                      # warp-uniform
+                hrow = row_h0 + row * row_h
+                # chunks of U steps go round-robin to the S warps of the row; every lane adds
+                # its group's blocks in increasing order
+                for c in range(w, nchunks, S):
+                    chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
+            for tt in range(T):
+                v = acc[tt]
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+                acc[tt] = v
+            finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+            if S > 1:
+                cuda.syncthreads()              # part[] is reused by the next row group
 
     return kernel
 
@@ -423,6 +439,17 @@ def _f16_kernel(S, T):
     return kernel
 
 
+_Q8_0_BLOCKS_PER_SM = 4      # 256-thread blocks of the 56-register Q8_0 kernel an SM holds
+_SM_COUNT = []
+
+
+def _resident_blocks():
+    """Grid size of the decode Q8_0 kernel: what the GPU holds at once (no partial last wave)."""
+    if not _SM_COUNT:
+        _SM_COUNT.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _SM_COUNT[0] * _Q8_0_BLOCKS_PER_SM
+
+
 def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
@@ -442,7 +469,10 @@ def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
-    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
+    groups = (rows * S + _NW_DENSE - 1) // _NW_DENSE
+    if T == 1:
+        groups = min(groups, _resident_blocks())
+    grid = (groups, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows)
 
@@ -530,16 +560,11 @@ def _make_compute_iq2_xxs(T):
         aux0 = raw[o + 1]
         aux1 = raw[o + 2]
         for l in range(4):
-            gv = grid_s[_ix((aux0 >> uint32(8 * l)) & _M8)]
-            s8 = uint32(ks_s[_ix((aux1 >> uint32(7 * l)) & uint32(127))])
-            m_lo = ((s8 & uint32(15)) * _SPREAD4) & _ONES     # 1 in each byte to negate
-            m_hi = ((s8 >> uint32(4)) * _SPREAD4) & _ONES
-            g_lo = uint32(gv & uint64(0xFFFFFFFF))
-            g_hi = uint32(gv >> uint64(32))
-            # grid bytes are < 0x80, so (g ^ 0xFF) + 1 == -g byte-wise, without carries
-            wv[2 * l] = (g_lo ^ (m_lo * _M8)) + m_lo
-            wv[2 * l + 1] = (g_hi ^ (m_hi * _M8)) + m_hi
-        ls = int32(uint32(2) * (aux1 >> uint32(28)) + uint32(1))
+            gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
+            s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
+            wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
+            wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
+        ls = imad(bfe(aux1, 28, 4), 2, 1)                   # 2*s + 1
         dw = f16_bits_to_f32(dbits)
         xw = 9 * (8 * sb + j)
         for tt in range(T):
@@ -549,7 +574,7 @@ def _make_compute_iq2_xxs(T):
                     xb = xbase[to + tt] + xw
                     for i in range(8):
                         sumi = dp4a(wv[i], xsrc[_ix(xb + i)], sumi)
-                bsum = _sum_lanes_of_8_i32(int32(sumi * ls))
+                bsum = _sum_lanes_of_8_i32(imad(sumi, ls, 0))
                 if valid:
                     acc[ao + tt] = cuda.fma(dw * xd[_ix(toks[to + tt] * nsb + sb)], float32(bsum),
                                             acc[ao + tt])
@@ -587,9 +612,9 @@ def _make_compute_q2_k(T):
         msc = raw[o + 7]
         d = f16_bits_to_f32(dd & _M16)
         dmin = f16_bits_to_f32(dd >> uint32(16))
-        sh = uint32(16 * (j & 1))
-        m0 = int32((msc >> (sh + uint32(4))) & uint32(15))
-        m1 = int32((msc >> (sh + uint32(12))) & uint32(15))
+        sh = 16 * (j & 1)
+        m0 = bfe(msc, sh + 4, 4)
+        m1 = bfe(msc, sh + 12, 4)
         for tt in range(T):
             if T == 1 or tt < cnt:
                 isum = int32(0)
@@ -599,12 +624,11 @@ def _make_compute_q2_k(T):
                     for h in range(2):
                         qw = raw[o + 4 + h]
                         for s in range(4):
-                            scw = raw[o + 2 * h + (s >> 1)]
-                            scale = int32((scw >> uint32(8 * (2 * (s & 1) + hj))) & uint32(15))
+                            scale = bfe(raw[o + 2 * h + (s >> 1)], 8 * (2 * (s & 1) + hj), 4)
                             q2 = (qw >> uint32(2 * s)) & _LOW2
-                            isum = int32(isum + scale * dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0))
+                            isum = imad(scale, dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0), isum)
                     bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
-                    summs = int32(m0 * xbs[_ix(bs)] + m1 * xbs[_ix(bs + 1)])
+                    summs = imad(m0, xbs[_ix(bs)], imad(m1, xbs[_ix(bs + 1)], 0))
                 isum = _sum_lanes_of_8_i32(isum)
                 summs = _sum_lanes_of_8_i32(summs)
                 if valid:
@@ -665,9 +689,9 @@ def _make_compute_q4_k(T):
                         qw = raw[o + 4 + c]
                         lo = dp4a(qw & _LOW4, xsrc[_ix(xb + 16 * c)], 0)
                         hi = dp4a((qw >> uint32(4)) & _LOW4, xsrc[_ix(xb + 16 * c + 8)], 0)
-                        isum = int32(isum + scl[2 * c] * lo + scl[2 * c + 1] * hi)
+                        isum = imad(scl[2 * c], lo, imad(scl[2 * c + 1], hi, isum))
                     bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
-                    summs = int32(mine * (xbs[_ix(bs)] + xbs[_ix(bs + 1)]))
+                    summs = imad(mine, xbs[_ix(bs)], imad(mine, xbs[_ix(bs + 1)], 0))
                 isum = _sum_lanes_of_8_i32(isum)
                 summs = _sum_lanes_of_8_i32(summs)
                 if valid:
