@@ -356,30 +356,25 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
         g = lane >> 2
         t = lane & 3
         w = warp % S
+        row = cuda.blockIdx.x * RPB + warp // S
         tok0 = cuda.blockIdx.y * T
         acc = cuda.local.array(T, float32)
-        nchunks = ((nb + 7) // 8 + U - 1) // U
-        # blocks loop over row groups (grid-stride), so a grid sized to the resident capacity
-        # has no partly filled last wave; the loop bounds are block-uniform (syncthreads inside)
-        for base in range(cuda.blockIdx.x * RPB, rows, cuda.gridDim.x * RPB):
-            row = base + warp // S
-            for tt in range(T):
-                acc[tt] = float32(0.0)
-            if row < rows:                      # warp-uniform
-                hrow = row_h0 + row * row_h
-                # chunks of U steps go round-robin to the S warps of the row; every lane adds
-                # its group's blocks in increasing order
-                for c in range(w, nchunks, S):
-                    chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
-            for tt in range(T):
-                v = acc[tt]
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-                acc[tt] = v
-            finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
-            if S > 1:
-                cuda.syncthreads()              # part[] is reused by the next row group
+        for tt in range(T):
+            acc[tt] = float32(0.0)
+        if row < rows:                      # warp-uniform
+            hrow = row_h0 + row * row_h
+            nchunks = ((nb + 7) // 8 + U - 1) // U
+            # chunks of U steps go round-robin to the S warps of the row; every lane adds its
+            # group's blocks in increasing order
+            for c in range(w, nchunks, S):
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
+        for tt in range(T):
+            v = acc[tt]
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+            acc[tt] = v
+        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
 
     return kernel
 
@@ -439,17 +434,6 @@ def _f16_kernel(S, T):
     return kernel
 
 
-_Q8_0_BLOCKS_PER_SM = 4      # 256-thread blocks of the 56-register Q8_0 kernel an SM holds
-_SM_COUNT = []
-
-
-def _resident_blocks():
-    """Grid size of the decode Q8_0 kernel: what the GPU holds at once (no partial last wave)."""
-    if not _SM_COUNT:
-        _SM_COUNT.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    return _SM_COUNT[0] * _Q8_0_BLOCKS_PER_SM
-
-
 def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
@@ -469,10 +453,7 @@ def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
-    groups = (rows * S + _NW_DENSE - 1) // _NW_DENSE
-    if T == 1:
-        groups = min(groups, _resident_blocks())
-    grid = (groups, (n_tok + T - 1) // T)
+    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows)
 
