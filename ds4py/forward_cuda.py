@@ -20,9 +20,14 @@ import numpy as np
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
 from ds4py.kernels import cuda_ops as ops
-from ds4py.kernels import cuda as qk
 from ds4py.kernels.graph import CapturedGraph
 from numba import cuda
+from numba.cuda import config as numba_config
+
+if numba_config.ENABLE_CUDASIM:
+    qk = None      # the quantized kernels need a real GPU (dp4a); simulator tests swap in host versions
+else:
+    from ds4py.kernels import cuda as qk
 
 BLOCK = ops.BLOCK
 
@@ -91,7 +96,6 @@ class Scratch:
         self.post = d(s.n_hc, f32)
         self.comb = d(s.n_hc * s.n_hc, f32)
         self.x, self.xq, self.xd = d(s.n_embd, f32), d(s.n_embd, i8), d(s.n_embd // 32, f32)
-        self.xk_q, self.xk_d, self.xk_bsums = d(s.n_embd, i8), d(s.n_embd // 256, f32), d(s.n_embd // 16, i32)
         self.qr = d(s.q_lora, f32)
         self.qrn, self.qrn_q, self.qrn_d = d(s.q_lora, f32), d(s.q_lora, i8), d(s.q_lora // 32, f32)
         self.q = d(q_dim, f32)
@@ -119,9 +123,10 @@ class Scratch:
         self.sh_out = d(s.n_embd, f32)
         self.logits = d(s.n_vocab, f32)
         self.next_token = d(1, i32)
+        self.forbid = cuda.to_device(np.full(1, -1, i32))
         self.pos = cuda.to_device(np.zeros(1, i32))
         self.token = cuda.to_device(np.zeros(1, i32))
-        self.moe_work = qk.MoeWorkspace(s.n_used, s.n_embd, s.n_ff) if hasattr(qk, "MoeWorkspace") else None
+        self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff)
 
 
 class CudaEngine:
@@ -140,17 +145,22 @@ class CudaEngine:
         self.freqs_comp = cuda.to_device(rope_freqs(s, True))
         self.layers = [LayerState(s, il, n_ctx, s.n_swa) for il in range(s.n_layer)]
         self.buf = Scratch(s, n_ctx // 4 + 2)
-        self.expert_bases = [cuda.to_device(np.asarray(source.expert_bases(il), dtype=np.int64))
-                             if source.experts_resident else None for il in range(s.n_layer)]
+        # Experts resident in the arena (device / host-mapped sources): the router kernel computes
+        # their offsets on the device. Otherwise the host fetches them into the expert cache.
+        self.experts_resident = source.expert_base(0) is not None
+        self.expert_bases = [cuda.to_device(np.asarray(tuple(source.expert_base(il)), dtype=np.int64))
+                             if self.experts_resident else None for il in range(s.n_layer)]
         self._n_past = 0
+        self._forbid = -1
         self._graphs = None
+        self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.reset()
 
     # ---- weights ------------------------------------------------------------------------------
 
     def off(self, name: str) -> int:
         """Byte offset of a dense tensor in the arena."""
-        return self.source.dense_offset(name)
+        return self.source.dense(name)[1]
 
     def off16(self, name: str) -> int:
         return self.off(name) // 2
@@ -256,9 +266,12 @@ class CudaEngine:
     def _compressor(self, prefix, ratio, head_dim, freqs, kv_t, sc_t, kv_state, score_state, cache,
                     indexer_lane):
         s, b, st = self.spec, self.buf, self.stream
+        width = (2 if ratio == 4 else 1) * head_dim
+        kv_t, sc_t = kv_t[:width], sc_t[:width]
         self._matvec(prefix + "_kv.weight", b.x, None, None, kv_t)
         self._matvec(prefix + "_gate.weight", b.x, None, None, sc_t)
-        threads = 512 if head_dim > 256 else 256
+        threads = BLOCK if head_dim <= BLOCK else 2 * BLOCK    # its scratch holds 2·BLOCK
+        assert head_dim <= 2 * BLOCK, "compressor_step handles head_dim <= 2·BLOCK"
         ops.compressor_step[1, threads, st](
             kv_t, sc_t, self.w16, self.off16(prefix + "_ape.weight"), self.w32,
             self.off32(prefix + "_norm.weight"), s.rms_eps, b.pos, ratio, head_dim, s.n_rot, freqs,
@@ -281,10 +294,11 @@ class CudaEngine:
         s, b, st = self.spec, self.buf, self.stream
         p = f"blk.{il}."
         clamp = s.swiglu_clamp[il]
-        qk.quantize_q8_k(b.x, b.xk_q, b.xk_d, b.xk_bsums, st)
-        arena = self.arena if self.source.experts_resident else self.source.expert_arena
-        qk.moe_decode(arena, b.slot_offsets, b.route_w, b.xk_q, b.xk_d, b.xk_bsums, clamp,
-                      s.n_embd, s.n_ff, b.moe_work, b.moe_out, st)
+        arena = self.source.expert_arena
+        gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
+        down_type = self.info(p + "ffn_down_exps.weight").ggml_type
+        qk.moe_decode(arena, b.slot_offsets, gate_type, down_type, b.x, b.route_w, clamp, b.moe_out,
+                      b.moe_work, st)
         self._matvec(p + "ffn_gate_shexp.weight", None, b.xq, b.xd, b.sh_gate)
         self._matvec(p + "ffn_up_shexp.weight", None, b.xq, b.xd, b.sh_up)
         ops.swiglu_q8[1, BLOCK, st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
@@ -298,7 +312,7 @@ class CudaEngine:
                                   self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
                                   s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
         self._matvec("output.weight", None, b.xq, b.xd, b.logits)
-        ops.argmax[1, BLOCK, st](b.logits, b.next_token)
+        ops.argmax[1, BLOCK, st](b.logits, b.forbid, b.next_token)
 
     def _segments(self):
         """The decode step as a list of launch functions; the host runs `_between(il)` after
@@ -328,13 +342,13 @@ class CudaEngine:
     @property
     def _zero_bases(self):
         if not hasattr(self, "_zero_bases_buf"):
-            self._zero_bases_buf = cuda.to_device(np.zeros(5, np.int64))
+            self._zero_bases_buf = cuda.to_device(np.zeros(6, np.int64))
         return self._zero_bases_buf
 
     def _build_graphs(self):
         """Warm every kernel up eagerly once (compiles, loads modules), then capture."""
         segments = self._segments()
-        resident = self.source.experts_resident
+        resident = self.experts_resident
         if resident:
             graph = CapturedGraph(self.stream)
             with graph:
@@ -351,12 +365,20 @@ class CudaEngine:
 
     def _step(self, token: int, pos: int) -> None:
         b = self.buf
+        if not self.use_graphs:            # the CUDA simulator has no graphs: launch eagerly
+            b.token.copy_to_device(np.array([token], np.int32), stream=self.stream)
+            b.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
+            for il, seg in enumerate(self._segments()):
+                seg()
+                if not self.experts_resident and il < self.spec.n_layer:
+                    self._fetch_experts(il)
+            return
         if self._graphs is None:
             self._warm_up(token, pos)
             self._build_graphs()
         b.token.copy_to_device(np.array([token], np.int32), stream=self.stream)
         b.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
-        if self.source.experts_resident:
+        if self.experts_resident:
             self._graphs[0].replay()
         else:
             for il, graph in enumerate(self._graphs):
@@ -372,7 +394,7 @@ class CudaEngine:
         self.buf.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
         for il, seg in enumerate(self._segments()):
             seg()
-            if not self.source.experts_resident and il < self.spec.n_layer:
+            if not self.experts_resident and il < self.spec.n_layer:
                 self._fetch_experts(il)
         self.restore(saved)
 
@@ -381,7 +403,7 @@ class CudaEngine:
         b = self.buf
         ids = b.expert_ids.copy_to_host(stream=self.stream)
         self.stream.synchronize()
-        offsets = np.ascontiguousarray(self.source.fetch_experts(il, ids), dtype=np.int64)
+        offsets = np.ascontiguousarray(self.source.fetch_experts(il, ids, stream=self.stream), dtype=np.int64)
         b.slot_offsets.copy_to_device(offsets, stream=self.stream)
 
     def decode(self, token: int) -> np.ndarray:
@@ -392,8 +414,12 @@ class CudaEngine:
         self.stream.synchronize()
         return logits
 
-    def decode_greedy(self, token: int) -> int:
-        """One token, returning only the argmax (4 bytes back instead of the logits)."""
+    def decode_greedy(self, token: int, forbid: int = -1) -> int:
+        """One token, returning only the argmax (4 bytes back instead of the logits); `forbid`
+        is a token the argmax skips (the bench probe forbids EOS)."""
+        if forbid != self._forbid:
+            self.buf.forbid.copy_to_device(np.array([forbid], np.int32), stream=self.stream)
+            self._forbid = forbid
         self._step(token, self._n_past)
         self._n_past += 1
         out = self.buf.next_token.copy_to_host(stream=self.stream)

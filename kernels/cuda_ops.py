@@ -737,7 +737,7 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
     take tid2eid[token], the others the top-n_used of sqrt(softplus(l)) + bias (ties → lower
     index); the weights use the unbiased probabilities, normalised (floor 2^-14) and scaled.
     Also writes each selected expert's gate/up/down byte offsets for the MoE kernels:
-    base_offsets = (gate, up, down, gate/up expert stride, down expert stride)."""
+    base_offsets = (gate, up, down, gate stride, up stride, down stride) in bytes."""
     n_exp = logits.shape[0]
     tid = cuda.threadIdx.x
     probs = cuda.shared.array(1024, float32)
@@ -776,8 +776,8 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
             expert_ids[k] = e
             route_w[k] = probs[e] / total * float32(weight_scale)
             slot_offsets[k, 0] = base_offsets[0] + e * base_offsets[3]
-            slot_offsets[k, 1] = base_offsets[1] + e * base_offsets[3]
-            slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[4]
+            slot_offsets[k, 1] = base_offsets[1] + e * base_offsets[4]
+            slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[5]
 
 
 @cuda.jit
@@ -809,15 +809,17 @@ def quantize_q8_0(x, xq, xd):
 
 
 @cuda.jit
-def argmax(logits, out_token):
-    """Greedy pick (first maximal index), single block of BLOCK threads."""
+def argmax(logits, forbid, out_token):
+    """Greedy pick (first maximal index), skipping token forbid[0] (EOS in bench probes; -1 for
+    none). Single block of BLOCK threads."""
     tid = cuda.threadIdx.x
     best_val = cuda.shared.array(BLOCK, float32)
     best_idx = cuda.shared.array(BLOCK, int32)
     v = float32(-3.4e38)
     idx = int32(0x7FFFFFFF)
+    skip = forbid[0]
     for i in range(tid, logits.shape[0], cuda.blockDim.x):
-        if logits[i] > v:
+        if logits[i] > v and i != skip:
             v = logits[i]
             idx = i
     _, winner = block_argmax(v, idx, best_val, best_idx)

@@ -144,7 +144,7 @@ def check_route():
     bias = rng.normal(0, 2, n_exp).astype(np.float32)
     w32 = cuda.to_device(bias)
     ids, rw, offs = cuda.device_array(n_used, np.int32), cuda.device_array(n_used, np.float32), cuda.device_array((n_used, 3), np.int64)
-    bases = cuda.to_device(np.array([1000, 5000, 9000, 10, 20], np.int64))
+    bases = cuda.to_device(np.array([1000, 5000, 9000, 10, 10, 20], np.int64))
     ops.route[1, BLOCK](cuda.to_device(logits), cuda.to_device(np.array([0], np.int32)), w32, 0, True,
                         cuda.to_device(np.zeros(8, np.int32)), 0, False, n_used, 1.5, bases, ids, rw, offs)
     p = np.sqrt(ref.softplus(logits.astype(np.float64)))

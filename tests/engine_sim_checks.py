@@ -1,0 +1,124 @@
+"""The GPU engine's wiring, run in Numba's CUDA simulator against the CPU engine.
+
+Run by test_engine_sim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1. The quantized matvecs use
+dp4a intrinsics that the simulator cannot run, so they are replaced here by host computations
+with the same numerics (kernels/cpu.py); everything else (the cuda_ops kernels, the engine's
+buffers, offsets, segments and state) runs as written. The point is to catch wiring mistakes
+(a wrong tensor, offset, buffer or position) before any GPU time is spent.
+"""
+
+import sys
+import tempfile
+
+import numpy as np
+
+from ds4py import synth
+from ds4py.io.gguf import GGML_F16, GGML_Q8_0
+from ds4py.io.spec import open_model
+from ds4py.kernels import cpu as ck
+from ds4py.kernels import cuda_ops as ops
+from numba import cuda
+
+ops.BLOCK = 64                     # fewer simulated threads; every kernel loops over its data
+import ds4py.forward_cuda as fc    # noqa: E402
+
+fc.BLOCK = 64
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+class HostQuantKernels:
+    """Stand-ins for kernels/cuda.py's matvecs and MoE with ds4's numerics, computed on the host."""
+
+    class MoEWorkspace:
+        def __init__(self, n_used, n_embd, n_ff):
+            self.n_ff = n_ff
+
+    @staticmethod
+    def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
+        w = _host(arena)[off:off + rows * (K // 32) * 34].reshape(rows, K // 32, 34)
+        wd = w[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        wq = w[:, :, 2:].copy().view(np.int8).astype(np.int32)
+        q = _host(xq).astype(np.int32).reshape(K // 32, 32)
+        d = _host(xd).astype(np.float32)
+        dots = (wq * q[None]).sum(-1).astype(np.float32)
+        out.copy_to_device((wd * d[None] * dots).sum(-1, dtype=np.float32).astype(np.float32))
+
+    @staticmethod
+    def matvec_f16(arena, off, rows, K, x, out, stream=0):
+        w = _host(arena)[off:off + rows * K * 2].copy().view(np.float16).reshape(rows, K).astype(np.float32)
+        out.copy_to_device((w @ _host(x).astype(np.float32)).astype(np.float32))
+
+    @staticmethod
+    def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out, ws, stream=0):
+        a = _host(arena)
+        offs = _host(slot_offsets)
+        rw = _host(route_w)
+        xv = _host(x).astype(np.float32)
+        n_embd = xv.shape[0]
+        gate_rb = ck.F.row_bytes(gate_type, n_embd)
+        n_ff = ws.n_ff
+        acc = np.zeros(n_embd, np.float32)
+        for k in range(offs.shape[0]):
+            gate = a[offs[k, 0]:offs[k, 0] + n_ff * gate_rb].reshape(n_ff, gate_rb)
+            up = a[offs[k, 1]:offs[k, 1] + n_ff * gate_rb].reshape(n_ff, gate_rb)
+            down_rb = ck.F.row_bytes(down_type, n_ff)
+            down = a[offs[k, 2]:offs[k, 2] + n_embd * down_rb].reshape(n_embd, down_rb)
+            g = np.minimum(ck.matvec(gate, gate_type, xv), np.float32(clamp))
+            u = np.clip(ck.matvec(up, gate_type, xv), -np.float32(clamp), np.float32(clamp))
+            mid = (g / (1 + np.exp(-g)) * u * rw[k]).astype(np.float32)
+            acc += ck.matvec(down, down_type, mid)
+        out.copy_to_device(acc)
+
+
+class FileArenaSource:
+    """The whole file as one device arena: dense tensors and experts at their file offsets."""
+
+    def __init__(self, model):
+        self.model = model
+        self.arena = cuda.to_device(np.frombuffer(model.file.mm, dtype=np.uint8))
+        self.expert_arena = self.arena
+
+    def dense(self, name):
+        return self.arena, self.model.file.tensors[name].offset
+
+    def expert_base(self, il):
+        t = self.model.file.tensors
+        g, u, d = (t[f"blk.{il}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
+        n_exp = g.ne[2]
+        return (g.offset, u.offset, d.offset, g.nbytes // n_exp, u.nbytes // n_exp, d.nbytes // n_exp)
+
+
+def main(n_tokens):
+    fc.qk = HostQuantKernels
+    from ds4py.forward_cpu import CpuEngine
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/tiny.gguf"
+        synth.build_model(path, "tiny", "none", seed=7)
+        model = open_model(path)
+        rng = np.random.default_rng(11)
+        tokens = [int(t) for t in rng.integers(0, 129_000, size=n_tokens)]
+        cpu = CpuEngine(model, n_ctx=64)
+        gpu = fc.CudaEngine(model, FileArenaSource(model), 64)
+        worst = 1.0
+        for pos, tok in enumerate(tokens):
+            want = np.asarray(cpu.decode(tok), np.float64)
+            got = np.asarray(gpu.decode(tok), np.float64)
+            std = np.std(want)
+            corr = float(np.corrcoef(got, want)[0, 1])
+            same_top1 = int(np.argmax(got)) == int(np.argmax(want))
+            print(f"pos {pos}: max|Δ|/std {np.max(np.abs(got - want)) / std:.2e}, rms|Δ|/std "
+                  f"{np.sqrt(np.mean((got - want) ** 2)) / std:.2e}, corr {corr:.6f}, top-1 "
+                  f"{'same' if same_top1 else 'DIFFERENT'}", flush=True)
+            worst = min(worst, corr)
+            # Whole-model logits carry the Q8 rounding-tie noise of two f32 implementations
+            # (ds4-model.md §12.5); the tight checks are stage-wise (cuda_ops_sim_checks.py).
+            if not same_top1 or corr < 0.998:
+                raise SystemExit(1)
+        print(f"engine simulator check passed (lowest correlation {worst:.6f})")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

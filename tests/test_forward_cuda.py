@@ -1,0 +1,121 @@
+"""The GPU engine against the CPU engine (itself checked against the float64 reference), on the
+tiny model, in all three weight regimes. Run on a machine with an NVIDIA GPU: pytest -m gpu."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# Positions that exercise (tiny: n_swa 32, ratios 0/0/4/128/4/128, idx_topk 8): raw window only,
+# the first ratio-4 rows, the indexer selecting (>= 35), a saturated window, the first ratio-128 row.
+CHECK_POSITIONS = (0, 2, 3, 10, 34, 40, 100, 127, 135)
+
+
+def _cuda():
+    from ds4py.kernels.compat import cuda_available
+    if not cuda_available():
+        pytest.fail("pytest -m gpu needs a CUDA device; none is visible")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    _cuda()
+    from ds4py.io.spec import open_model
+    m = open_model(tiny_model)
+    yield m
+    m.close()
+
+
+def _tokens(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, 129_000, size=n)]
+
+
+def _decode_all(engine, tokens, positions):
+    out = {}
+    for pos, tok in enumerate(tokens):
+        logits = engine.decode(tok)
+        if pos in positions:
+            out[pos] = np.array(logits, dtype=np.float64)
+    return out
+
+
+def _agree(got, want, tol):
+    std = float(np.std(want))
+    err = float(np.max(np.abs(got - want)))
+    top_got = np.argsort(-got, kind="stable")[:5]
+    top_want = np.argsort(-want, kind="stable")[:5]
+    return err / std, list(top_got) == list(top_want), err <= tol * std
+
+
+@pytest.fixture(scope="module")
+def cpu_logits(model):
+    from ds4py.forward_cpu import CpuEngine
+    tokens = _tokens(max(CHECK_POSITIONS) + 1)
+    return tokens, _decode_all(CpuEngine(model, n_ctx=256), tokens, CHECK_POSITIONS)
+
+
+def _engine(model, regime, n_ctx=256, **kw):
+    from ds4py.forward_cuda import CudaEngine
+    from ds4py.io import sources
+    if regime == "device":
+        source = sources.DeviceSource(model, progress=False)
+    elif regime == "page-cache":
+        source = sources.PageCacheSource(model, expert_slots=kw.get("slots", 12), progress=False)
+    else:
+        source = sources.StreamSource(model, expert_slots=kw.get("slots", 12), progress=False)
+    return CudaEngine(model, source, n_ctx), source
+
+
+def test_gpu_logits_match_cpu_engine(model, cpu_logits):
+    tokens, want = cpu_logits
+    engine, source = _engine(model, "device")
+    got = _decode_all(engine, tokens, CHECK_POSITIONS)
+    report = []
+    for pos in CHECK_POSITIONS:
+        rel, same_top5, ok = _agree(got[pos], want[pos], 1e-2)
+        report.append(f"pos {pos}: max|Δ|/std {rel:.2e}, top-5 {'same' if same_top5 else 'DIFFERENT'}")
+        assert same_top5 and ok, "\n".join(report)
+    print("\n".join(report))
+    source.close()
+
+
+def test_gpu_prefill_then_decode_equals_decodes(model):
+    tokens = _tokens(60, seed=3)
+    a, sa = _engine(model, "device")
+    a.prefill(tokens[:-1])
+    last_a = np.array(a.decode(tokens[-1]), np.float64)
+    b, sb = _engine(model, "device")
+    last_b = np.array(_decode_all(b, tokens, {len(tokens) - 1})[len(tokens) - 1], np.float64)
+    rel, same, ok = _agree(last_a, last_b, 1e-2)
+    assert same and ok, (rel, same)
+    sa.close()
+    sb.close()
+
+
+def test_three_regimes_same_greedy_tokens(model):
+    prompt = _tokens(40, seed=5)
+    outputs, counters = {}, {}
+    for regime in ("device", "page-cache", "stream"):
+        engine, source = _engine(model, regime, slots=12)    # 12 < 6 layers x 6 experts: evictions
+        logits = engine.prefill(prompt)
+        token = int(np.argmax(logits))
+        seq = [token]
+        for _ in range(12):
+            token = engine.decode_greedy(token)
+            seq.append(token)
+        outputs[regime] = seq
+        counters[regime] = source.counters.as_dict()
+        source.close()
+    print(outputs, counters)
+    assert outputs["device"] == outputs["page-cache"] == outputs["stream"]
+    assert counters["device"]["h2d_request_bytes"] == 0          # everything uploaded at load
+    assert counters["page-cache"]["expert_misses"] > 0 and counters["page-cache"]["expert_evictions"] > 0
+    assert counters["stream"]["disk_read_bytes"] > 0
+
+
+def test_graph_replay_is_one_graph_when_resident(model):
+    engine, source = _engine(model, "device")
+    engine.decode(1)
+    assert len(engine._graphs) == 1 and engine._graphs[0].n_nodes > 50
+    source.close()
