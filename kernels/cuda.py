@@ -349,7 +349,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
-    def kernel(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld):
+    def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld):
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -376,7 +376,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
             acc[tt] = v
         finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
 
-    return kernel
+    return q8_0_rows
 
 
 def _make_f16_step(T):
@@ -403,7 +403,7 @@ def _f16_kernel(S, T):
     step_fn = _make_f16_step(T)
 
     @cuda.jit
-    def kernel(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld):
+    def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld):
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -431,7 +431,7 @@ def _f16_kernel(S, T):
             acc[tt] = v
         finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
 
-    return kernel
+    return f16_rows
 
 
 def _tok_tile(n_tok):
@@ -773,7 +773,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
     RT = R * T
 
     @cuda.jit
-    def kernel(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
+    def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -810,7 +810,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
                             if tt < cnt:
                                 out[(tok0 + tt) * out_ld + row0 + r] = res[r * T + tt]
 
-    return kernel
+    return q8k_rows
 
 
 _DUMMY = {}
@@ -923,8 +923,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH):
     stage = _stages_x(wtype)
 
     @cuda.jit
-    def kernel(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp, n_ff, rb, rpb,
-               mid, grid_g, ks_g):
+    def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
+                           n_ff, rb, rpb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -956,7 +956,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH):
             if lane == 0:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
 
-    return kernel
+    return moe_gate_up_decode
 
 
 def _moe_down_decode_kernel(wtype, NCH, R):
@@ -965,8 +965,8 @@ def _moe_down_decode_kernel(wtype, NCH, R):
     UPB = _NW_MOE * R                  # (row, slot) units per block
 
     @cuda.jit
-    def kernel(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out, grid_g,
-               ks_g):
+    def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
+                        grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         part = cuda.shared.array(UPB, float32)
@@ -1009,7 +1009,7 @@ def _moe_down_decode_kernel(wtype, NCH, R):
                 acc = acc + part[t * n_used + k]
             out[r0 + t] = acc
 
-    return kernel
+    return moe_down_decode
 
 
 def _moe_gate_up_tiles_kernel(wtype, T, NCH):
@@ -1020,8 +1020,8 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     T2 = 2 * T
 
     @cuda.jit
-    def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, xbs, nsb,
-               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+    def moe_gate_up_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd,
+                          xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1061,7 +1061,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
                         pair = toks[tt] * n_used + tile_slot[tile * T + tt]
                         mid[pair * n_ff + r] = _swiglu(res[tt], res[T + tt], c32, route_w[pair])
 
-    return kernel
+    return moe_gate_up_tiles
 
 
 def _moe_down_tiles_kernel(wtype, T, NCH):
@@ -1070,8 +1070,8 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
     stage = _stages_x(wtype)
 
     @cuda.jit
-    def kernel(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
-               n_embd, pair_out, grid_g, ks_g):
+    def moe_down_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs,
+                       nsb, rb, n_embd, pair_out, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1107,7 +1107,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
                     if tt < cnt:
                         pair_out[toks[tt] * n_embd + r] = res[tt]
 
-    return kernel
+    return moe_down_tiles
 
 
 @cuda.jit

@@ -18,7 +18,7 @@ case $what in profile|all+profile)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
     timeout 150 $NCU --clock-control none --section SpeedOfLight --section Occupancy \
-      --section WarpStateStats --section MemoryWorkloadAnalysis -k 'regex:moe|q8_0' \
+      --section WarpStateStats --section MemoryWorkloadAnalysis -k 'regex:moe_|q8_0_rows' \
       --launch-skip 3 --launch-count 6 \
       python3 -c "from ds4py.kernels.bench import profile_target; profile_target()" > $OUT/ncu.txt 2>&1
     grep -E "^  [a-zA-Z_]|Duration|Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|No Eligible|Theoretical Occ|L1/TEX Hit|Block Limit" $OUT/ncu.txt | head -120
