@@ -396,6 +396,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     m = open_model(str(path))
     tok = Tokenizer.from_gguf(m.file)
     session = Session(open_engine(m, weights))
+    console.print(f"ds4py: {path.name}: CPU engine, ctx {weights.n_ctx}", highlight=False)
     sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
 
     def turn(ids):

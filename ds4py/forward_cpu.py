@@ -75,16 +75,21 @@ class Weights:
         self.tensors = model.file.tensors
         self.source = source
         self._small: dict[str, np.ndarray] = {}
+        self._mats: dict[str, tuple[np.ndarray, int]] = {}
 
     def has(self, name: str) -> bool:
         return self.source.has(name)
 
     def mat(self, name: str) -> tuple[np.ndarray, int]:
-        """(raw GGUF bytes as uint8 rows, GGML type): what kernels/cpu.py takes for every type."""
-        data = self.source.host(name)
-        if data.dtype != np.uint8:
-            data = data.view(np.uint8)          # F16/F32 rows: the same bytes, untyped
-        return data, self.tensors[name].ggml_type
+        """(raw GGUF bytes as uint8 rows, GGML type): what kernels/cpu.py takes for every type.
+        The view is made once per tensor (the host source maps the file in place)."""
+        mat = self._mats.get(name)
+        if mat is None:
+            data = self.source.host(name)
+            if data.dtype != np.uint8:
+                data = data.view(np.uint8)      # F16/F32 rows: the same bytes, untyped
+            mat = self._mats[name] = (data, self.tensors[name].ggml_type)
+        return mat
 
     def vec(self, name: str) -> np.ndarray:
         """A small tensor (norm, HC scale/base, sinks, bias, ape) as contiguous f32."""
