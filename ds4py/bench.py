@@ -139,3 +139,36 @@ def weight_bytes_per_token(model) -> int:
         else:
             total += info.nbytes
     return total
+
+
+def copy_ceiling(kind: str) -> tuple[float, str]:
+    """The bandwidth ceiling measured now: HBM copy on the GPU, a RAM copy on the CPU.
+    Bytes read + written per second, and what was measured."""
+    if kind == "cuda":
+        from ds4py.kernels.bench import Timer, copy_bandwidth
+        bw, _ = copy_bandwidth(Timer(), 1 << 30)
+        return bw, "device copy (1 GiB, read+write)"
+    n = 256 << 20
+    src = np.ones(n, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best, "RAM copy (256 MiB, read+write, one thread)"
+
+
+def bench_table(rows: list[BenchRow], regime: str, bytes_per_token: int, ceiling: float, what: str):
+    """A rich table: rates and decode as a fraction of the roofline (bytes/token ÷ ceiling)."""
+    from rich.table import Table
+    roof = ceiling / bytes_per_token
+    table = Table(title=f"ds4py bench — weights: {regime}; roofline {roof:.1f} tok/s = "
+                        f"{bytes_per_token / 1e9:.2f} GB/token ÷ {ceiling / 1e9:.0f} GB/s {what}")
+    for col in ("ctx", "prefill t/s", "gen t/s", "steady t/s", "first ms", "GB/s", "of roofline"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.ctx_tokens), f"{r.prefill_tps:.1f}", f"{r.gen_tps:.2f}", f"{r.gen_steady_tps:.2f}",
+                      f"{r.gen_first_ms:.1f}", f"{r.gen_steady_tps * bytes_per_token / 1e9:.0f}",
+                      f"{r.gen_steady_tps / roof:.1%}")
+    return table

@@ -152,6 +152,7 @@ class CudaEngine:
                              if self.experts_resident else None for il in range(s.n_layer)]
         self._n_past = 0
         self._forbid = -1
+        self.skip: set[str] = set()
         self._graphs = None
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.reset()
@@ -224,7 +225,28 @@ class CudaEngine:
         p = f"blk.{il}."
         ratio = layer.ratio
         freqs = self.freqs_comp if ratio else self.freqs_dense
-        self._hc_pre(p, "attn", p + "attn_norm.weight")
+        if self._on("hc"):
+            self._hc_pre(p, "attn", p + "attn_norm.weight")
+        if self._on("attn_proj"):
+            self._attn_proj(il, freqs)
+        if ratio and self._on("compress"):
+            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.ckv, b.csc,
+                             layer.kv_state, layer.score_state, layer.comp, False)
+        if ratio == 4 and self._on("index"):
+            self._indexer(il, freqs)
+        if self._on("attention"):
+            ops.attention[s.n_head, BLOCK, st](
+                b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, self.w32,
+                self.off32(p + "attn_sinks.weight"), b.pos, s.n_swa, ratio, ratio == 4, s.head_dim,
+                s.n_rot, freqs, b.attn)
+        if self._on("attn_out"):
+            self._attn_out(il)
+        if self._on("hc"):
+            ops.hc_post[16, BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
+
+    def _attn_proj(self, il: int, freqs):
+        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+        p = f"blk.{il}."
         self._matvec(p + "attn_q_a.weight", b.x, b.xq, b.xd, b.qr)
         self._matvec(p + "attn_kv.weight", b.x, b.xq, b.xd, b.kv)
         ops.rmsnorm_q8[1, BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
@@ -233,25 +255,27 @@ class CudaEngine:
         ops.q_heads[s.n_head, BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
         ops.kv_finish[1, BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
                                     b.pos, freqs, s.n_rot, layer.raw)
-        if ratio:
-            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.ckv, b.csc,
-                             layer.kv_state, layer.score_state, layer.comp, False)
-        if ratio == 4:
-            self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.ikv, b.isc,
-                             layer.ikv_state, layer.iscore_state, layer.icomp, True)
-            self._matvec(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq)
-            ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
-            self._matvec(p + "indexer.proj.weight", b.x, None, None, b.head_w)
-            max_rows = b.scores.shape[0]
-            ops.indexer_scores[(max_rows + 255) // 256, 256, st](
-                b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
-                s.n_ihead, s.idx_dim, b.scores)
-            ops.indexer_select[1, BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
-                                             b.selected, b.n_selected)
-        ops.attention[s.n_head, BLOCK, st](
-            b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, self.w32,
-            self.off32(p + "attn_sinks.weight"), b.pos, s.n_swa, ratio, ratio == 4, s.head_dim,
-            s.n_rot, freqs, b.attn)
+
+    def _indexer(self, il: int, freqs):
+        """The indexer lane's compressor, then the top-idx_topk selection of compressed rows."""
+        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+        p = f"blk.{il}."
+        self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.ikv, b.isc,
+                         layer.ikv_state, layer.iscore_state, layer.icomp, True)
+        self._matvec(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq)
+        ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
+        self._matvec(p + "indexer.proj.weight", b.x, None, None, b.head_w)
+        max_rows = b.scores.shape[0]
+        ops.indexer_scores[(max_rows + 255) // 256, 256, st](
+            b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
+            s.n_ihead, s.idx_dim, b.scores)
+        ops.indexer_select[1, BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
+                                         b.selected, b.n_selected)
+
+    def _attn_out(self, il: int):
+        """Grouped low-rank output: 8 groups of heads through their o_lora slices, then out_b."""
+        s, b, st = self.spec, self.buf, self.stream
+        p = f"blk.{il}."
         q_dim = s.n_head * s.head_dim
         ops.quantize_q8_0[(q_dim // 32 + 255) // 256, 256, st](b.attn, b.attn_q, b.attn_d)
         group_in = q_dim // s.n_group
@@ -261,7 +285,10 @@ class CudaEngine:
                          rows=s.o_lora, row0=g * s.o_lora)
         ops.quantize_q8_0[(s.n_group * s.o_lora // 32 + 255) // 256, 256, st](b.low, b.low_q, b.low_d)
         self._matvec(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn)
-        ops.hc_post[16, BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
+
+    def _on(self, group: str) -> bool:
+        """False for a group of launches left out while profiling (see profile())."""
+        return group not in self.skip
 
     def _compressor(self, prefix, ratio, head_dim, freqs, kv_t, sc_t, kv_state, score_state, cache,
                     indexer_lane):
@@ -280,7 +307,10 @@ class CudaEngine:
     def _ffn_route(self, il: int):
         s, b, st = self.spec, self.buf, self.stream
         p = f"blk.{il}."
-        self._hc_pre(p, "ffn", p + "ffn_norm.weight")
+        if self._on("hc"):
+            self._hc_pre(p, "ffn", p + "ffn_norm.weight")
+        if not self._on("router"):
+            return
         self._matvec(p + "ffn_gate_inp.weight", b.x, None, None, b.router)
         is_hash = il < s.n_hash
         has_bias = (p + "exp_probs_b.bias") in self.model.file.tensors
@@ -297,13 +327,16 @@ class CudaEngine:
         arena = self.source.expert_arena
         gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
         down_type = self.info(p + "ffn_down_exps.weight").ggml_type
-        qk.moe_decode(arena, b.slot_offsets, gate_type, down_type, b.x, b.route_w, clamp, b.moe_out,
-                      b.moe_work, st)
-        self._matvec(p + "ffn_gate_shexp.weight", None, b.xq, b.xd, b.sh_gate)
-        self._matvec(p + "ffn_up_shexp.weight", None, b.xq, b.xd, b.sh_up)
-        ops.swiglu_q8[1, BLOCK, st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
-        self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
-        ops.hc_post[16, BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
+        if self._on("moe"):
+            qk.moe_decode(arena, b.slot_offsets, gate_type, down_type, b.x, b.route_w, clamp, b.moe_out,
+                          b.moe_work, st)
+        if self._on("shared"):
+            self._matvec(p + "ffn_gate_shexp.weight", None, b.xq, b.xd, b.sh_gate)
+            self._matvec(p + "ffn_up_shexp.weight", None, b.xq, b.xd, b.sh_up)
+            ops.swiglu_q8[1, BLOCK, st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
+            self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
+        if self._on("hc"):
+            ops.hc_post[16, BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
 
     def _head(self):
         s, b, st = self.spec, self.buf, self.stream
@@ -332,7 +365,7 @@ class CudaEngine:
                 if il + 1 < s.n_layer:
                     self._attention(il + 1)
                     self._ffn_route(il + 1)
-                else:
+                elif self._on("head"):
                     self._head()
             segments.append(middle)
         return segments
@@ -432,6 +465,41 @@ class CudaEngine:
             self._step(int(token), self._n_past)
             self._n_past += 1
         return self.decode(int(tokens[-1]))
+
+    GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
+              "shared", "head")
+
+    def profile(self, token: int, reps: int = 20) -> dict:
+        """Device ms per decode step with each group of launches left out in turn (METHOD.md:
+        time variants that leave a stage out, take differences). Device-resident sources only;
+        the KV state is saved and restored around it."""
+        if not self.experts_resident:
+            raise RuntimeError("profile() needs a device-resident source")
+        saved = self.snapshot()
+        self.decode_greedy(token)                   # compile, warm, capture the full graph
+        full = self._graphs[0]
+
+        def time_graph(graph) -> float:
+            start, end = cuda.event(), cuda.event()
+            graph.replay()
+            start.record(self.stream)
+            for _ in range(reps):
+                graph.replay()
+            end.record(self.stream)
+            end.synchronize()
+            return cuda.event_elapsed_time(start, end) / reps
+        result = {"step_ms": time_graph(full), "nodes": full.n_nodes}
+        for group in self.GROUPS:
+            self.skip = {group}
+            graph = CapturedGraph(self.stream)
+            with graph:
+                for seg in self._segments():
+                    seg()
+            result[group] = result["step_ms"] - time_graph(graph)
+            graph.close()
+        self.skip = set()
+        self.restore(saved)
+        return result
 
     def timed_decode(self, token: int, n: int) -> float:
         """n greedy steps from `token`, timed on the device; returns seconds."""

@@ -184,7 +184,7 @@ def check_compressor():
         for pos in range(3 * ratio):
             # identity / diagonal projections: the kernel gets kv_t = x and sc_t = gate ⊙ x
             x = rng.normal(0, 1, width).astype(np.float32).astype(np.float64)
-            row = ref.compressor_step(ref_w, spec, "c", st, x, pos, freqs_np, lane)
+            row = ref.compressor_step(ref_w, spec, "c", st, x, pos, freqs_np, ("comp" if lane == "attn" else "index", 0))
             if row is not None:
                 want_rows.append(row)
             ops.compressor_step[1, 256](cuda.to_device(x.astype(np.float32)),
