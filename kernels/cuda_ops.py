@@ -168,7 +168,7 @@ def quantize_q8_0_block_values(vals, base, q_out, d_out):
 
 # ---- embedding and hyper-connections --------------------------------------------------------------
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
     """state[h] = f16->f32(token_embd[token]) for every HC stream (§6.1)."""
     token = token_buf[0]
@@ -178,7 +178,7 @@ def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
             state[h, i] = value
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_mix(state, w16, fn_off, eps, mix_out):
     """mix[row] = fn[row] · (flat · rsqrt(mean(flat²) + eps)); one block per mixer row (§6.2)."""
     row = cuda.blockIdx.x
@@ -237,7 +237,7 @@ def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, 
                 comb[i * n_hc + j] /= col_sum + float32(eps)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
            post_out, comb_out, x_out, xq, xd):
     """HC reduce for one sublayer (single block): Sinkhorn split, y = Σ pre·X, x = RMSNorm(y)·w,
@@ -269,7 +269,7 @@ def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_e
     quantize_q8_0_block_values(x_out, 0, xq, xd)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_post(state, f_a, f_b, post, comb):
     """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3); f_b may be a zero vector."""
     n_hc, n_embd = state.shape
@@ -285,7 +285,7 @@ def hc_post(state, f_a, f_b, post, comb):
             state[j, d] = acc
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
     """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
     z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec."""
@@ -310,7 +310,7 @@ def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_o
     quantize_q8_0_block_values(x_out, 0, xq, xd)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization (single block)."""
     tid = cuda.threadIdx.x
@@ -392,7 +392,7 @@ def hadamard_fp4(vec, base, n, scratch32):
         cuda.syncthreads()
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
     pushed into the raw ring at pos mod capacity. Single block."""
@@ -416,7 +416,7 @@ def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
         raw_cache[row, i] = f16_round(kv[i])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
     """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). One block per head."""
     head = cuda.blockIdx.x
@@ -435,7 +435,7 @@ def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
 
 # ---- compressors (§6.8) -----------------------------------------------------------------------------
 
-@cuda.jit
+@cuda.jit(cache=True)
 def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio, head_dim,
                     n_rot, freqs, indexer_lane, kv_state, score_state, cache):
     """One token into a compressor lane; emits a pooled row every `ratio` tokens. Single block
@@ -506,7 +506,7 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
 
 # ---- indexer (§6.10) ---------------------------------------------------------------------------------
 
-@cuda.jit
+@cuda.jit(cache=True)
 def indexer_q(iq, idx_dim, n_rot, pos_buf, freqs):
     """Indexer query heads: RoPE on the tail, then Hadamard + FP4. One block per head."""
     head = cuda.blockIdx.x
@@ -516,7 +516,7 @@ def indexer_q(iq, idx_dim, n_rot, pos_buf, freqs):
     hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores):
     """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h) for every emitted indexer row c.
     One thread per row (grid-stride); rows beyond the current count are left alone."""
@@ -559,7 +559,7 @@ def order_key(bits):
     return bits | np.uint32(0x80000000)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
     """The top_k indexer rows by score (ties → lower index), written ascending into `selected`;
     every row when there are at most top_k (§6.10). Single block: an 8-bit radix select finds
@@ -635,7 +635,7 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
 
 # ---- attention (§6.5, §6.6) ---------------------------------------------------------------------------
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, pos_buf, n_swa,
               ratio, use_selected, head_dim, n_rot, freqs, out):
     """Sink attention for one head per block over the raw window and the visible compressed rows
@@ -730,7 +730,7 @@ def block_argmax(value, index, best_val, best_idx):
     return result_val, result_idx
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_used,
           weight_scale, base_offsets, expert_ids, route_w, slot_offsets):
     """Expert selection and weights (single block of BLOCK threads, n_exp <= 1024): hash layers
@@ -780,7 +780,7 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
             slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[5]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def swiglu_q8(gate, up, clamp, mid, xq, xd):
     """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0 (single block)."""
     tid = cuda.threadIdx.x
@@ -793,7 +793,7 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
     quantize_q8_0_block_values(mid, 0, xq, xd)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def quantize_q8_0(x, xq, xd):
     """Q8_0 of a whole vector (one thread per 32-value block)."""
     b = cuda.grid(1)
@@ -808,7 +808,7 @@ def quantize_q8_0(x, xq, xd):
         xd[b] = d
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def argmax(logits, forbid, out_token):
     """Greedy pick (first maximal index), skipping token forbid[0] (EOS in bench probes; -1 for
     none). Single block of BLOCK threads."""
@@ -827,7 +827,7 @@ def argmax(logits, forbid, out_token):
         out_token[0] = winner
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def advance(pos_buf, token_buf, next_token):
     """End of a decode step: the sampled token becomes the next input, the position moves on."""
     if cuda.grid(1) == 0:
