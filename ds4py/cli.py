@@ -404,9 +404,9 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
         finish()
         if result.stop == "interrupted":
-            console.print("[interrupted]")
+            console.print("[interrupted]", markup=False)
         elif result.stop == "context":
-            console.print(f"[context full: --ctx {weights.n_ctx}]")
+            console.print(f"[context full: --ctx {weights.n_ctx}]", markup=False)
         if dump_logits is not None and result.prompt_logits is not None:
             _write_logits(dump_logits, result.prompt_logits)
         console.print(result.stats_line(), highlight=False)

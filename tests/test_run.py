@@ -84,6 +84,31 @@ def test_run_interactive_chat(tiny_model):
     assert sum(line.startswith("ds4py: prefill:") for line in r.stderr.splitlines()) == 2
 
 
+def test_run_chat_ctrl_c_stops_the_reply_and_returns_to_the_prompt(tiny_model):
+    """SIGINT while a long reply streams: the reply ends, the stats line follows, the chat goes on."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "ds4py", "run", "-m", str(tiny_model), "-n", "100000",
+                             "--ctx", "200000", "--temp", "1", "--min-p", "0", "--seed", "3"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("tell me everything\n")
+        proc.stdin.flush()
+        proc.stdout.read(8)                  # generation is streaming now
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/quit\n")
+        proc.stdin.flush()
+        proc.stdin.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "[interrupted]" in err and "ds4py: prefill:" in err and "Traceback" not in err
+
+
 def test_run_default_model_builds_once(tmp_path):
     r = ds4py("run", "-p", "hi", "-n", "2", "--temp", "0", "--ctx", "256",
               env_extra={"XDG_CACHE_HOME": str(tmp_path)})
