@@ -17,7 +17,6 @@ states. `snapshot()` / `restore()` copy all of it.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -183,10 +182,25 @@ class CpuEngine:
         return self._forward([int(token)], want_logits=True)
 
     def snapshot(self) -> KvSnapshot:
-        return KvSnapshot(self.n_past, copy.deepcopy(self.layers))
+        """A copy of the state: raw windows, compressor states and the rows emitted so far
+        (only the used rows, so a snapshot costs what the context holds, not what --ctx reserves)."""
+        layers = []
+        for cache in self.layers:
+            lanes = [None if lane is None else (lane.kv_state.copy(), lane.score_state.copy(),
+                                                lane.rows[:lane.n_rows].copy())
+                     for lane in (cache.attn, cache.index)]
+            layers.append((cache.raw.copy(), lanes))
+        return KvSnapshot(self.n_past, layers)
 
     def restore(self, snap: KvSnapshot) -> None:
-        self.layers = copy.deepcopy(snap.layers)
+        """Return to a snapshot taken from this engine (same model and --ctx)."""
+        for cache, (raw, lanes) in zip(self.layers, snap.layers):
+            cache.raw[:] = raw
+            for lane, saved in zip((cache.attn, cache.index), lanes):
+                if lane is not None:
+                    lane.kv_state[:], lane.score_state[:] = saved[0], saved[1]
+                    lane.rows[:len(saved[2])] = saved[2]
+                    lane.n_rows = len(saved[2])
         self.n_past = snap.n_past
 
     # -- the forward ---------------------------------------------------------------------------------

@@ -183,12 +183,13 @@ def test_prefill_then_decode_equals_decodes(shadow_run, model):
 
 def test_snapshot_restore(model):
     engine = FC.CpuEngine(model, n_ctx=64)
-    engine.prefill([5, 6, 7, 8, 9])
+    engine.prefill(list(range(100, 110)))              # 2 ratio-4 rows emitted, a compressor mid-window
     snap = engine.snapshot()
     a = engine.decode(10)
-    engine.decode(11)
+    for t in range(20, 30):                            # emits more rows, slides the state
+        engine.decode(t)
     engine.restore(snap)
-    assert engine.n_past == 5
+    assert engine.n_past == 10
     np.testing.assert_array_equal(engine.decode(10), a)
     engine.reset()
     assert engine.n_past == 0
