@@ -325,7 +325,6 @@ class CpuEngine:
 
     def _ffn(self, il: int, X: np.ndarray, tokens: list[int]) -> np.ndarray:
         s, w, p = self.spec, self.w, f"blk.{il}."
-        n = X.shape[0]
         y, post, comb = self._hc_pre(p + "hc_ffn", X)
         x = ops.rms_norm_rows(y, w.vec(p + "ffn_norm.weight"), s.rms_eps)
         expert_ids, expert_w = self._route(il, x, tokens)

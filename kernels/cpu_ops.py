@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -228,7 +227,6 @@ def hc_split_sinkhorn_rows(mix, scale, base, n_hc, n_iter, eps):
     pre = np.empty((n, n_hc), dtype=np.float32)
     post = np.empty((n, n_hc), dtype=np.float32)
     comb = np.empty((n, n_hc, n_hc), dtype=np.float32)
-    one = np.float32(1.0)
     for t in range(n):
         for i in range(n_hc):
             pre[t, i] = sigmoid(mix[t, i] * scale[0] + base[i]) + eps
