@@ -13,7 +13,6 @@ Two reference runs shadow the engine token by token:
   amplified through the layers, so only the §12.5 criterion is checked: correlation > 0.99.
 """
 
-
 import numpy as np
 import pytest
 
