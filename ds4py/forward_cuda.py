@@ -297,8 +297,8 @@ class CudaEngine:
         kv_t, sc_t = kv_t[:width], sc_t[:width]
         self._matvec(prefix + "_kv.weight", b.x, None, None, kv_t)
         self._matvec(prefix + "_gate.weight", b.x, None, None, sc_t)
-        threads = BLOCK if head_dim <= BLOCK else 2 * BLOCK    # its scratch holds 2·BLOCK
-        assert head_dim <= 2 * BLOCK, "compressor_step handles head_dim <= 2·BLOCK"
+        threads = BLOCK if head_dim <= BLOCK else ops.BLOCK2    # its scratch holds BLOCK2
+        assert head_dim <= ops.BLOCK2, "compressor_step handles head_dim <= BLOCK2"
         ops.compressor_step[1, threads, st](
             kv_t, sc_t, self.w16, self.off16(prefix + "_ape.weight"), self.w32,
             self.off32(prefix + "_norm.weight"), s.rms_eps, b.pos, ratio, head_dim, s.n_rot, freqs,

@@ -24,6 +24,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32
 
 BLOCK = 256              # threads for the single-block and per-head kernels
+BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
 MAX_ROWS = 4096          # attention rows one head can score in shared memory
 MAX_SCORE_ROWS = 16384   # indexer rows the top-k selection handles in one block
 NEG_INF = -1e30
@@ -454,8 +455,8 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
     if (pos + 1) % ratio != 0:
         return
     pooled = cuda.shared.array(512, float32)
-    scratch64 = cuda.shared.array(BLOCK * 2, float64)
-    scratch32 = cuda.shared.array(BLOCK * 2, float32)
+    scratch64 = cuda.shared.array(BLOCK2, float64)
+    scratch32 = cuda.shared.array(BLOCK2, float32)
     if tid < head_dim:
         best = float32(NEG_INF)
         if ratio == 4:

@@ -20,6 +20,7 @@ from ds4py.kernels import cuda_ops as ops
 from numba import cuda
 
 ops.BLOCK = 64                     # fewer simulated threads; every kernel loops over its data
+ops.BLOCK2 = 128
 import ds4py.forward_cuda as fc    # noqa: E402
 
 fc.BLOCK = 64

@@ -1,0 +1,41 @@
+"""Compile every cuda_ops kernel to PTX for sm_90 with the engine's argument types, without a GPU.
+
+Needs NVVM and NVRTC (`pip install "cuda-toolkit[nvvm,nvrtc,cudart]==13.0.*"`); catches typing
+errors before any device time is spent: `python scripts/check_cuda_compile.py`."""
+import numpy as np
+from ds4py.kernels import cuda_ops as ops
+from numba import cuda, types
+import numba.cuda.dispatcher as _disp
+_disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)})()   # no GPU here
+f32a = types.float32[::1]; f32a2 = types.float32[:, ::1]; i32a = types.int32[::1]; i8a = types.int8[::1]
+f16a = types.float16[::1]; u32a = types.uint32[::1]; i64a2 = types.int64[:, ::1]; i64a = types.int64[::1]
+i64 = types.int64; f64 = types.float64; b1 = types.boolean
+sigs = {
+ "embed": (i32a, f16a, i64, i64, i64, f32a2),
+ "hc_mix": (f32a2, f16a, i64, f64, f32a),
+ "hc_pre": (f32a2, f32a, f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
+ "hc_post": (f32a2, f32a, f32a, f32a, f32a),
+ "hc_head": (f32a2, f32a, f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),
+ "rmsnorm_q8": (f32a, f32a, i64, f64, f32a, i8a, f32a),
+ "kv_finish": (f32a, f32a, i64, f64, i32a, f32a, i64, f32a2),
+ "q_heads": (f32a, i64, i64, f64, i32a, f32a),
+ "compressor_step": (f32a, f32a, f16a, i64, f32a, i64, f64, i32a, i64, i64, i64, f32a, b1, f32a2, f32a2, f32a2),
+ "indexer_q": (f32a, i64, i64, i32a, f32a),
+ "indexer_scores": (f32a, f32a, f64, f32a2, i32a, i64, i64, f32a),
+ "indexer_select": (u32a, i32a, i64, i32a, i32a),
+ "attention": (f32a, f32a2, f32a2, i32a, i32a, f32a, i64, i32a, i64, i64, b1, i64, i64, f32a, f32a),
+ "route": (f32a, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a, f32a, i64a2),
+ "swiglu_q8": (f32a, f32a, f64, f32a, i8a, f32a),
+ "quantize_q8_0": (f32a, i8a, f32a),
+ "argmax": (f32a, i32a, i32a),
+ "advance": (i32a, i32a, i32a),
+}
+bad = 0
+for name, sig in sigs.items():
+    try:
+        cuda.compile_ptx(getattr(ops, name).py_func, sig, cc=(9, 0))
+        print("ok ", name)
+    except Exception as e:
+        bad += 1
+        print("BAD", name, str(e).splitlines()[0][:300])
+raise SystemExit(bad)
