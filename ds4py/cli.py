@@ -334,15 +334,6 @@ def print_probe(r: dict) -> None:
 
 # ---- run / tokenize --------------------------------------------------------------------------------
 
-def open_engine(model, weights: WeightOptions):
-    """The engine `run` drives. The CPU engine reads the weights in place from the mmap (HostSource);
-    --ctx sizes its KV state."""
-    from ds4py.forward_cpu import CpuEngine
-    from ds4py.io.sources import HostSource
-
-    return CpuEngine(model, HostSource(model), n_ctx=weights.n_ctx)
-
-
 def _stream_printer(tok):
     """on_token callback: print each token's text as soon as it is complete UTF-8."""
     decoder = tok.stream_decoder()
@@ -387,6 +378,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     """Generate text: one shot with -p (tokens stream as they come), else an interactive multi-turn chat
     (/think, /nothink, /quit; Ctrl-C stops a reply; EOF exits). Ends with ds4's prefill/generation t/s line."""
     from ds4py.chat import Conversation, render_prompt
+    from ds4py.engine import open_engine
     from ds4py.generate import Session, generate
     from ds4py.io.spec import open_model
     from ds4py.sampling import Sampler
@@ -395,8 +387,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     path = model if model is not None else default_model_path()
     m = open_model(str(path))
     tok = Tokenizer.from_gguf(m.file)
-    session = Session(open_engine(m, weights))
-    console.print(f"ds4py: {path.name}: CPU engine, ctx {weights.n_ctx}", highlight=False)
+    # the shared loader: detector -> weight source -> CPU or CUDA engine (ds4py/engine.py)
+    loaded = open_engine(m, weights, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}", highlight=False)
+    session = Session(loaded.engine)
     sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
 
     def turn(ids):
