@@ -93,6 +93,10 @@ class Scratch:
         q_dim = s.n_head * s.head_dim
         self.state = d((s.n_hc, s.n_embd), f32)
         self.mix = d(s.hc_mix, f32)
+        self.hc_chunk = ops.hc_chunk(s.n_embd)
+        n_chunks = s.n_hc * s.n_embd // self.hc_chunk
+        self.part_dot = d((s.hc_mix, n_chunks), f32)
+        self.part_sq = d(n_chunks, np.float64)
         self.post = d(s.n_hc, f32)
         self.comb = d(s.n_hc * s.n_hc, f32)
         self.x, self.xq, self.xd = d(s.n_embd, f32), d(s.n_embd, i8), d(s.n_embd // 32, f32)
@@ -214,11 +218,18 @@ class CudaEngine:
 
     def _hc_pre(self, prefix: str, sub: str, norm_name: str):
         s, b, st = self.spec, self.buf, self.stream
-        ops.hc_mix[s.hc_mix, BLOCK, st](b.state, self.w16, self.off16(f"{prefix}hc_{sub}_fn.weight"),
-                                        s.rms_eps, b.mix)
+        self._hc_mix(self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
         ops.hc_pre[1, BLOCK, st](b.state, b.mix, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
                                  self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
                                  s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
+
+    def _hc_mix(self, fn_off16: int, n_rows: int):
+        """mix = fn · RMS-normalised flat state, as partial dots over chunks, then combined."""
+        s, b, st = self.spec, self.buf, self.stream
+        n_chunks = b.part_dot.shape[1]
+        ops.hc_mix_partial[(n_rows, n_chunks), BLOCK, st](b.state, self.w16, fn_off16, b.hc_chunk,
+                                                          b.part_dot[:n_rows], b.part_sq)
+        ops.hc_mix_finish[1, 32, st](b.part_dot[:n_rows], b.part_sq, s.n_hc * s.n_embd, s.rms_eps, b.mix)
 
     def _attention(self, il: int):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
@@ -266,7 +277,7 @@ class CudaEngine:
         ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
         self._matvec(p + "indexer.proj.weight", b.x, None, None, b.head_w)
         max_rows = b.scores.shape[0]
-        ops.indexer_scores[(max_rows + 255) // 256, 256, st](
+        ops.indexer_scores[max_rows, 64, st](
             b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
             s.n_ihead, s.idx_dim, b.scores)
         ops.indexer_select[1, BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
@@ -340,7 +351,7 @@ class CudaEngine:
 
     def _head(self):
         s, b, st = self.spec, self.buf, self.stream
-        ops.hc_mix[s.n_hc, BLOCK, st](b.state, self.w16, self.off16("output_hc_fn.weight"), s.rms_eps, b.mix)
+        self._hc_mix(self.off16("output_hc_fn.weight"), s.n_hc)
         ops.hc_head[1, BLOCK, st](b.state, b.mix, self.w32, self.off32("output_hc_scale.weight"),
                                   self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
                                   s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the first CUDA compile)
 from numba import cuda, float32, float64, int32
+from numba.cuda import config as numba_config
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -32,7 +33,19 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 
 
+# Warp shuffles exist on the GPU only; the simulator takes the shared-memory paths instead.
+USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
+
+
 # ---- block-level helpers (device functions) -----------------------------------------------------
+
+@cuda.jit(device=True)
+def warp_sum_f32(value):
+    """Butterfly sum over the 32 lanes of a warp; every lane gets the total."""
+    for offset in (16, 8, 4, 2, 1):
+        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+    return value
+
 
 @cuda.jit(device=True)
 def block_sum_f64(value, scratch):
@@ -179,26 +192,56 @@ def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
             state[h, i] = value
 
 
+HC_CHUNK = 1024          # most elements of the flattened HC state per hc_mix_partial block
+
+
+def hc_chunk(n_embd: int) -> int:
+    """Chunk length dividing n_embd, so that a chunk never straddles two streams."""
+    return min(HC_CHUNK, n_embd)
+
+
 @cuda.jit(cache=True)
-def hc_mix(state, w16, fn_off, eps, mix_out):
-    """mix[row] = fn[row] · (flat · rsqrt(mean(flat²) + eps)); one block per mixer row (§6.2)."""
+def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
+    """Partial mixer dots over one chunk of the flattened state: block (row, chunk). Chunks never
+    straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks also
+    write the chunk's Σx² (in double) for the RMS scale."""
     row = cuda.blockIdx.x
+    chunk = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
-    n = n_hc * n_embd
+    start = chunk * chunk_len
+    stream = start // n_embd
+    d0 = start - stream * n_embd
+    base = fn_off + row * n_hc * n_embd + start
     scratch64 = cuda.shared.array(BLOCK, float64)
     scratch32 = cuda.shared.array(BLOCK, float32)
     sumsq = float64(0.0)
     dot = float32(0.0)
-    base = fn_off + row * n
-    for i in range(tid, n, cuda.blockDim.x):
-        v = state[i // n_embd, i % n_embd]
+    for j in range(tid, chunk_len, cuda.blockDim.x):
+        v = state[stream, d0 + j]
+        dot += float32(w16[base + j]) * v
         sumsq += float64(v) * float64(v)
-        dot += float32(w16[base + i]) * v
-    total_sq = block_sum_f64(sumsq, scratch64)
     total_dot = block_sum_f32(dot, scratch32)
+    if row == 0:
+        total_sq = block_sum_f64(sumsq, scratch64)
+        if tid == 0:
+            part_sq[chunk] = total_sq
     if tid == 0:
-        mix_out[row] = total_dot * rms_scale(total_sq, n, eps)
+        part_dot[row, chunk] = total_dot
+
+
+@cuda.jit(cache=True)
+def hc_mix_finish(part_dot, part_sq, n, eps, mix_out):
+    """mix[row] = (Σ_chunk partial dots) · rsqrt(mean(flat²) + eps) (§6.2). One thread per row."""
+    row = cuda.grid(1)
+    if row < part_dot.shape[0]:
+        sq = float64(0.0)
+        for c in range(part_sq.shape[0]):
+            sq += part_sq[c]
+        dot = float32(0.0)
+        for c in range(part_dot.shape[1]):
+            dot += part_dot[row, c]
+        mix_out[row] = dot * rms_scale(sq, n, eps)
 
 
 @cuda.jit(device=True)
@@ -519,16 +562,25 @@ def indexer_q(iq, idx_dim, n_rot, pos_buf, freqs):
 
 @cuda.jit(cache=True)
 def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores):
-    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h) for every emitted indexer row c.
-    One thread per row (grid-stride); rows beyond the current count are left alone."""
-    n_rows = (pos_buf[0] + 1) // 4
-    for c in range(cuda.grid(1), n_rows, cuda.gridsize(1)):
-        total = float32(0.0)
-        for h in range(n_ihead):
-            dot = float32(0.0)
-            for i in range(idx_dim):
-                dot += icache[c, i] * iq[h * idx_dim + i]
-            total += head_w[h] * weight_scale * max(dot, float32(0.0))
+    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): one block per indexer row c, one thread
+    per head (the row staged in shared memory). Blocks past the rows emitted so far return."""
+    c = cuda.blockIdx.x
+    if c >= (pos_buf[0] + 1) // 4:
+        return
+    tid = cuda.threadIdx.x
+    row = cuda.shared.array(512, float32)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    for i in range(tid, idx_dim, cuda.blockDim.x):
+        row[i] = icache[c, i]
+    cuda.syncthreads()
+    total = float32(0.0)
+    for h in range(tid, n_ihead, cuda.blockDim.x):
+        dot = float32(0.0)
+        for i in range(idx_dim):
+            dot += row[i] * iq[h * idx_dim + i]
+        total += head_w[h] * float32(weight_scale) * max(dot, float32(0.0))
+    total = block_sum_f32(total, scratch32)
+    if tid == 0:
         scores[c] = total
 
 
@@ -640,39 +692,60 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
 def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, pos_buf, n_swa,
               ratio, use_selected, head_dim, n_rot, freqs, out):
     """Sink attention for one head per block over the raw window and the visible compressed rows
-    (all of them, or the indexer's `selected` rows), then the inverse RoPE of the output tail."""
+    (all of them, or the indexer's `selected` rows), then the inverse RoPE of the output tail.
+
+    Each row's source index is resolved once into shared memory; scores are computed one row per
+    warp with the lanes reading consecutive dims (coalesced), reduced by shuffles on the GPU
+    (one row per thread in the simulator, which has no shuffles)."""
     head = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     pos = pos_buf[0]
     scores = cuda.shared.array(MAX_ROWS, float32)
+    source = cuda.shared.array(MAX_ROWS, int32)
     q_sh = cuda.shared.array(512, float32)
     scratch32 = cuda.shared.array(BLOCK, float32)
     base = head * head_dim
     for i in range(tid, head_dim, cuda.blockDim.x):
         q_sh[i] = q[base + i]
-    cuda.syncthreads()
     n_raw = min(pos + 1, n_swa)
     first_raw = pos + 1 - n_raw
     n_comp = (pos + 1) // ratio if ratio > 0 else 0
     if use_selected:
         n_comp = n_selected[0]
     n_rows = n_raw + n_comp
-    inv_sqrt = float32(1.0 / math.sqrt(head_dim))
     cap = raw_cache.shape[0]
+    for r in range(tid, n_rows, cuda.blockDim.x):
+        if r < n_raw:
+            source[r] = (first_raw + r) % cap
+        else:
+            source[r] = selected[r - n_raw] if use_selected else r - n_raw
+    cuda.syncthreads()
+    inv_sqrt = float32(1.0 / math.sqrt(head_dim))
+    if USE_SHUFFLES:
+        lane = tid % 32
+        for r in range(tid // 32, n_rows, cuda.blockDim.x // 32):
+            src = source[r]
+            dot = float32(0.0)
+            if r < n_raw:
+                for i in range(lane, head_dim, 32):
+                    dot += q_sh[i] * raw_cache[src, i]
+            else:
+                for i in range(lane, head_dim, 32):
+                    dot += q_sh[i] * comp_cache[src, i]
+            dot = warp_sum_f32(dot)
+            if lane == 0:
+                scores[r] = dot * inv_sqrt
+    else:
+        for r in range(tid, n_rows, cuda.blockDim.x):
+            src = source[r]
+            dot = float32(0.0)
+            for i in range(head_dim):
+                dot += q_sh[i] * (raw_cache[src, i] if r < n_raw else comp_cache[src, i])
+            scores[r] = dot * inv_sqrt
+    cuda.syncthreads()
     local_max = float32(NEG_INF)
     for r in range(tid, n_rows, cuda.blockDim.x):
-        dot = float32(0.0)
-        if r < n_raw:
-            row = (first_raw + r) % cap
-            for i in range(head_dim):
-                dot += q_sh[i] * raw_cache[row, i]
-        else:
-            row = selected[r - n_raw] if use_selected else r - n_raw
-            for i in range(head_dim):
-                dot += q_sh[i] * comp_cache[row, i]
-        s = dot * inv_sqrt
-        scores[r] = s
-        local_max = max(local_max, s)
+        local_max = max(local_max, scores[r])
     sink = w32[sinks_off + head]
     m = max(block_max_f32(local_max, scratch32), sink)
     local_den = float32(0.0)
@@ -683,13 +756,10 @@ def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, po
     den = block_sum_f32(local_den, scratch32) + math.exp(sink - m)
     for i in range(tid, head_dim, cuda.blockDim.x):
         acc = float32(0.0)
-        for r in range(n_rows):
-            p = scores[r]
-            if r < n_raw:
-                acc += p * raw_cache[(first_raw + r) % cap, i]
-            else:
-                row = selected[r - n_raw] if use_selected else r - n_raw
-                acc += p * comp_cache[row, i]
+        for r in range(n_raw):
+            acc += scores[r] * raw_cache[source[r], i]
+        for r in range(n_raw, n_rows):
+            acc += scores[r] * comp_cache[source[r], i]
         out[base + i] = acc / den
     cuda.syncthreads()
     rope_tail(out, base, head_dim - n_rot, n_rot, pos, freqs, True)

@@ -46,7 +46,12 @@ def check_hc():
     d_arena = cuda.to_device(arena)
     d_state = cuda.to_device(state)
     mix = cuda.device_array(mix_rows, np.float32)
-    ops.hc_mix[mix_rows, BLOCK](d_state, d_arena.view(np.float16), 0, 1e-6, mix)
+    chunk = 64                                     # several chunks per stream
+    n_chunks = n_hc * n_embd // chunk
+    part_dot = cuda.device_array((mix_rows, n_chunks), np.float32)
+    part_sq = cuda.device_array(n_chunks, np.float64)
+    ops.hc_mix_partial[(mix_rows, n_chunks), BLOCK](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
+    ops.hc_mix_finish[1, 32](part_dot, part_sq, n_hc * n_embd, 1e-6, mix)
     flat = state.reshape(-1).astype(np.float64)
     want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
     close("hc_mix", mix.copy_to_host(), want_mix, 1e-5)
@@ -138,6 +143,22 @@ def check_indexer_select():
             raise SystemExit(1)
 
 
+def check_indexer_scores():
+    n_ihead, idx_dim, cap, pos = 4, 64, 12, 39          # 10 rows emitted, 2 beyond untouched
+    iq = rng.normal(0, 1, n_ihead * idx_dim).astype(np.float32)
+    head_w = rng.normal(0, 1, n_ihead).astype(np.float32)
+    icache = rng.normal(0, 1, (cap, idx_dim)).astype(np.float32)
+    scores = cuda.to_device(np.full(cap, -7.0, np.float32))
+    scale = 1 / math.sqrt(idx_dim * n_ihead)
+    ops.indexer_scores[cap, 64](cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
+                                cuda.to_device(np.array([pos], np.int32)), n_ihead, idx_dim, scores)
+    n = (pos + 1) // 4
+    want = np.maximum(icache[:n].astype(np.float64) @ iq.reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w * scale)
+    got = scores.copy_to_host()
+    close("indexer_scores", got[:n], want, 1e-5)
+    assert np.all(got[n:] == -7.0), "indexer_scores wrote rows that were not emitted"
+
+
 def check_route():
     n_exp, n_used = 16, 6
     logits = rng.normal(0, 2, n_exp).astype(np.float32)
@@ -201,5 +222,6 @@ if __name__ == "__main__":
     check_qat_and_rope()
     check_attention()
     check_indexer_select()
+    check_indexer_scores()
     check_route()
     print("all cuda_ops simulator checks passed")
