@@ -112,6 +112,9 @@ class Scratch:
         self.selected = d(s.idx_topk, i32)
         self.n_selected = d(1, i32)
         self.attn = d(q_dim, f32)
+        self.part_max = d((s.n_head, ops.ATTN_SPLITS), f32)
+        self.part_den = d((s.n_head, ops.ATTN_SPLITS), f32)
+        self.part_acc = d((s.n_head, ops.ATTN_SPLITS, s.head_dim), f32)
         self.attn_q, self.attn_d = d(q_dim, i8), d(q_dim // 32, f32)
         self.low = d(s.n_group * s.o_lora, f32)
         self.low_q, self.low_d = d(s.n_group * s.o_lora, i8), d(s.n_group * s.o_lora // 32, f32)
@@ -246,10 +249,12 @@ class CudaEngine:
         if ratio == 4 and self._on("index"):
             self._indexer(il, freqs)
         if self._on("attention"):
-            ops.attention[s.n_head, BLOCK, st](
-                b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, self.w32,
-                self.off32(p + "attn_sinks.weight"), b.pos, s.n_swa, ratio, ratio == 4, s.head_dim,
-                s.n_rot, freqs, b.attn)
+            ops.attention_partial[(s.n_head, ops.ATTN_SPLITS), BLOCK, st](
+                b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
+                s.n_swa, ratio, ratio == 4, s.head_dim, b.part_max, b.part_den, b.part_acc)
+            ops.attention_combine[s.n_head, BLOCK, st](
+                b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
+                s.head_dim, s.n_rot, freqs, b.attn)
         if self._on("attn_out"):
             self._attn_out(il)
         if self._on("hc"):

@@ -246,39 +246,53 @@ def hc_mix_finish(part_dot, part_sq, n, eps, mix_out):
 
 @cuda.jit(device=True)
 def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, comb):
-    """pre/post gates and the doubly-normalised comb matrix from the 24 mixer values (thread 0)."""
-    s_pre = w32[scale_off]
-    s_post = w32[scale_off + 1]
-    s_comb = w32[scale_off + 2]
-    for i in range(n_hc):
-        pre[i] = sigmoid(mix[i] * s_pre + w32[base_off + i]) + float32(eps)
-        post[i] = float32(2.0) * sigmoid(mix[n_hc + i] * s_post + w32[base_off + n_hc + i])
-    for i in range(n_hc):
+    """pre/post gates and the doubly-normalised comb matrix from the mixer values (§6.2).
+    Called by every thread of the block: thread k < n_hc² owns comb element (k // n_hc, k % n_hc);
+    each pass reads its row or column sum (in index order) from shared memory, then writes."""
+    tid = cuda.threadIdx.x
+    nn = n_hc * n_hc
+    i = tid // n_hc
+    j = tid - i * n_hc
+    eps32 = float32(eps)
+    if tid < n_hc:
+        pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + eps32
+        post[tid] = float32(2.0) * sigmoid(mix[n_hc + tid] * w32[scale_off + 1] + w32[base_off + n_hc + tid])
+    if tid < nn:
+        comb[tid] = mix[2 * n_hc + tid] * w32[scale_off + 2] + w32[base_off + 2 * n_hc + tid]
+    cuda.syncthreads()
+    value = float32(0.0)
+    if tid < nn:                                   # softmax over j, + eps
         row_max = float32(NEG_INF)
-        for j in range(n_hc):
-            k = 2 * n_hc + i * n_hc + j
-            comb[i * n_hc + j] = mix[k] * s_comb + w32[base_off + k]
-            row_max = max(row_max, comb[i * n_hc + j])
+        for jj in range(n_hc):
+            row_max = max(row_max, comb[i * n_hc + jj])
         row_sum = float32(0.0)
-        for j in range(n_hc):
-            comb[i * n_hc + j] = math.exp(comb[i * n_hc + j] - row_max)
-            row_sum += comb[i * n_hc + j]
-        for j in range(n_hc):
-            comb[i * n_hc + j] = comb[i * n_hc + j] / row_sum + float32(eps)
+        for jj in range(n_hc):
+            row_sum += math.exp(comb[i * n_hc + jj] - row_max)
+        value = math.exp(comb[tid] - row_max) / row_sum + eps32
+    cuda.syncthreads()
+    if tid < nn:
+        comb[tid] = value
+    cuda.syncthreads()
     for it in range(n_iter):
-        if it > 0:
-            for i in range(n_hc):
+        if it > 0:                                 # rows, then columns, n_iter - 1 times
+            if tid < nn:
                 row_sum = float32(0.0)
-                for j in range(n_hc):
-                    row_sum += comb[i * n_hc + j]
-                for j in range(n_hc):
-                    comb[i * n_hc + j] /= row_sum + float32(eps)
-        for j in range(n_hc):
+                for jj in range(n_hc):
+                    row_sum += comb[i * n_hc + jj]
+                value = comb[tid] / (row_sum + eps32)
+            cuda.syncthreads()
+            if tid < nn:
+                comb[tid] = value
+            cuda.syncthreads()
+        if tid < nn:
             col_sum = float32(0.0)
-            for i in range(n_hc):
-                col_sum += comb[i * n_hc + j]
-            for i in range(n_hc):
-                comb[i * n_hc + j] /= col_sum + float32(eps)
+            for ii in range(n_hc):
+                col_sum += comb[ii * n_hc + j]
+            value = comb[tid] / (col_sum + eps32)
+        cuda.syncthreads()
+        if tid < nn:
+            comb[tid] = value
+        cuda.syncthreads()
 
 
 @cuda.jit(cache=True)
@@ -292,12 +306,11 @@ def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_e
     post = cuda.shared.array(16, float32)
     comb = cuda.shared.array(256, float32)
     scratch64 = cuda.shared.array(BLOCK, float64)
-    if tid == 0:
-        sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, pre, post, comb)
-        for i in range(n_hc):
-            post_out[i] = post[i]
-        for i in range(n_hc * n_hc):
-            comb_out[i] = comb[i]
+    sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, pre, post, comb)
+    if tid < n_hc:
+        post_out[tid] = post[tid]
+    if tid < n_hc * n_hc:
+        comb_out[tid] = comb[tid]
     cuda.syncthreads()
     sumsq = float64(0.0)
     for i in range(tid, n_embd, cuda.blockDim.x):
@@ -688,16 +701,22 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
 
 # ---- attention (§6.5, §6.6) ---------------------------------------------------------------------------
 
+ATTN_SPLITS = 8          # row ranges per head scored by separate blocks (flash-decoding)
+
+
 @cuda.jit(cache=True)
-def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, pos_buf, n_swa,
-              ratio, use_selected, head_dim, n_rot, freqs, out):
-    """Sink attention for one head per block over the raw window and the visible compressed rows
-    (all of them, or the indexer's `selected` rows), then the inverse RoPE of the output tail.
+def attention_partial(q, raw_cache, comp_cache, selected, n_selected, pos_buf, n_swa, ratio,
+                      use_selected, head_dim, part_max, part_den, part_acc):
+    """Sink attention, first half: block (head, split) takes one range of the visible rows (raw
+    window, then all compressed rows or the indexer's `selected` ones) and writes its running max,
+    Σexp and Σexp·row; attention_combine merges the ranges with the sink (§6.6).
 
     Each row's source index is resolved once into shared memory; scores are computed one row per
-    warp with the lanes reading consecutive dims (coalesced), reduced by shuffles on the GPU
-    (one row per thread in the simulator, which has no shuffles)."""
+    warp with the lanes reading consecutive dims (coalesced), reduced by shuffles on the GPU (one
+    row per thread in the simulator, which has no shuffles)."""
     head = cuda.blockIdx.x
+    split = cuda.blockIdx.y
+    n_splits = cuda.gridDim.y
     tid = cuda.threadIdx.x
     pos = pos_buf[0]
     scores = cuda.shared.array(MAX_ROWS, float32)
@@ -713,20 +732,24 @@ def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, po
     if use_selected:
         n_comp = n_selected[0]
     n_rows = n_raw + n_comp
+    per_split = (n_rows + n_splits - 1) // n_splits
+    r0 = min(split * per_split, n_rows)
+    n_mine = min(r0 + per_split, n_rows) - r0
     cap = raw_cache.shape[0]
-    for r in range(tid, n_rows, cuda.blockDim.x):
+    for k in range(tid, n_mine, cuda.blockDim.x):
+        r = r0 + k
         if r < n_raw:
-            source[r] = (first_raw + r) % cap
+            source[k] = (first_raw + r) % cap
         else:
-            source[r] = selected[r - n_raw] if use_selected else r - n_raw
+            source[k] = selected[r - n_raw] if use_selected else r - n_raw
     cuda.syncthreads()
     inv_sqrt = float32(1.0 / math.sqrt(head_dim))
     if USE_SHUFFLES:
         lane = tid % 32
-        for r in range(tid // 32, n_rows, cuda.blockDim.x // 32):
-            src = source[r]
+        for k in range(tid // 32, n_mine, cuda.blockDim.x // 32):
+            src = source[k]
             dot = float32(0.0)
-            if r < n_raw:
+            if r0 + k < n_raw:
                 for i in range(lane, head_dim, 32):
                     dot += q_sh[i] * raw_cache[src, i]
             else:
@@ -734,35 +757,61 @@ def attention(q, raw_cache, comp_cache, selected, n_selected, w32, sinks_off, po
                     dot += q_sh[i] * comp_cache[src, i]
             dot = warp_sum_f32(dot)
             if lane == 0:
-                scores[r] = dot * inv_sqrt
+                scores[k] = dot * inv_sqrt
     else:
-        for r in range(tid, n_rows, cuda.blockDim.x):
-            src = source[r]
+        for k in range(tid, n_mine, cuda.blockDim.x):
+            src = source[k]
             dot = float32(0.0)
             for i in range(head_dim):
-                dot += q_sh[i] * (raw_cache[src, i] if r < n_raw else comp_cache[src, i])
-            scores[r] = dot * inv_sqrt
+                dot += q_sh[i] * (raw_cache[src, i] if r0 + k < n_raw else comp_cache[src, i])
+            scores[k] = dot * inv_sqrt
     cuda.syncthreads()
     local_max = float32(NEG_INF)
-    for r in range(tid, n_rows, cuda.blockDim.x):
-        local_max = max(local_max, scores[r])
-    sink = w32[sinks_off + head]
-    m = max(block_max_f32(local_max, scratch32), sink)
+    for k in range(tid, n_mine, cuda.blockDim.x):
+        local_max = max(local_max, scores[k])
+    m = block_max_f32(local_max, scratch32)
     local_den = float32(0.0)
-    for r in range(tid, n_rows, cuda.blockDim.x):
-        e = math.exp(scores[r] - m)
-        scores[r] = e
+    for k in range(tid, n_mine, cuda.blockDim.x):
+        e = math.exp(scores[k] - m)
+        scores[k] = e
         local_den += e
-    den = block_sum_f32(local_den, scratch32) + math.exp(sink - m)
+    den = block_sum_f32(local_den, scratch32)
+    n_raw_mine = max(0, min(n_raw - r0, n_mine))
     for i in range(tid, head_dim, cuda.blockDim.x):
         acc = float32(0.0)
-        for r in range(n_raw):
-            acc += scores[r] * raw_cache[source[r], i]
-        for r in range(n_raw, n_rows):
-            acc += scores[r] * comp_cache[source[r], i]
+        for k in range(n_raw_mine):
+            acc += scores[k] * raw_cache[source[k], i]
+        for k in range(n_raw_mine, n_mine):
+            acc += scores[k] * comp_cache[source[k], i]
+        part_acc[head, split, i] = acc
+    if tid == 0:
+        part_max[head, split] = m
+        part_den[head, split] = den
+
+
+@cuda.jit(cache=True)
+def attention_combine(part_max, part_den, part_acc, w32, sinks_off, pos_buf, head_dim, n_rot,
+                      freqs, out):
+    """Sink attention, second half: merge the row ranges of each head with its sink logit, which
+    joins the denominator only, then the inverse RoPE of the output tail. One block per head."""
+    head = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n_splits = part_max.shape[1]
+    sink = w32[sinks_off + head]
+    m = sink
+    for s_ in range(n_splits):
+        m = max(m, part_max[head, s_])
+    den = math.exp(sink - m)
+    for s_ in range(n_splits):
+        den += math.exp(part_max[head, s_] - m) * part_den[head, s_]
+    base = head * head_dim
+    for i in range(tid, head_dim, cuda.blockDim.x):
+        acc = float32(0.0)
+        for s_ in range(n_splits):
+            acc += math.exp(part_max[head, s_] - m) * part_acc[head, s_, i]
         out[base + i] = acc / den
     cuda.syncthreads()
-    rope_tail(out, base, head_dim - n_rot, n_rot, pos, freqs, True)
+    rope_tail(out, base, head_dim - n_rot, n_rot, pos_buf[0], freqs, True)
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

@@ -112,10 +112,16 @@ def check_attention():
     out = cuda.device_array(n_head * head_dim, np.float32)
     ratio = 4
     selected = np.array([0, 2, 3], np.int32)
-    ops.attention[n_head, BLOCK](cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp),
-                                 cuda.to_device(selected), cuda.to_device(np.array([3], np.int32)),
-                                 cuda.to_device(sinks), 0, cuda.to_device(np.array([pos], np.int32)),
-                                 n_swa, ratio, True, head_dim, n_rot, cuda.to_device(freqs), out)
+    n_splits = 3                                        # uneven ranges: 11 rows over 3 splits
+    part_max = cuda.device_array((n_head, n_splits), np.float32)
+    part_den = cuda.device_array((n_head, n_splits), np.float32)
+    part_acc = cuda.device_array((n_head, n_splits, head_dim), np.float32)
+    d_pos = cuda.to_device(np.array([pos], np.int32))
+    ops.attention_partial[(n_head, n_splits), BLOCK](cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp),
+                                                     cuda.to_device(selected), cuda.to_device(np.array([3], np.int32)),
+                                                     d_pos, n_swa, ratio, True, head_dim, part_max, part_den, part_acc)
+    ops.attention_combine[n_head, BLOCK](part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim,
+                                         n_rot, cuda.to_device(freqs), out)
     rows = np.concatenate([raw[[(pos - n_swa + 1 + i) % cap for i in range(n_swa)]], comp[selected]]).astype(np.float64)
     rope = ref.Rope(n_rot, 10000.0, False)
     want = [rope.apply(ref.sink_attention(q.reshape(n_head, head_dim)[h].astype(np.float64)[None, :], rows,
