@@ -169,6 +169,6 @@ def bench_table(rows: list[BenchRow], regime: str, bytes_per_token: int, ceiling
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r.ctx_tokens), f"{r.prefill_tps:.1f}", f"{r.gen_tps:.2f}", f"{r.gen_steady_tps:.2f}",
-                      f"{r.gen_first_ms:.1f}", f"{r.gen_steady_tps * bytes_per_token / 1e9:.0f}",
+                      f"{r.gen_first_ms:.1f}", f"{r.gen_steady_tps * bytes_per_token / 1e9:.1f}",
                       f"{r.gen_steady_tps / roof:.1%}")
     return table

@@ -374,6 +374,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         system: str = typer.Option("You are a helpful assistant", "--system", help="System prompt; \"\" for none."),
         dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", metavar="FILE",
                                                    help="Write the last prompt token's logits as raw little-endian float32."),
+        stats: bool = typer.Option(False, "--stats", help="After each reply: host->device bytes at load and per "
+                                                          "request, expert-cache hits/misses, decode GB/s."),
         weights=None):
     """Generate text: one shot with -p (tokens stream as they come), else an interactive multi-turn chat
     (/think, /nothink, /quit; Ctrl-C stops a reply; EOF exits). Ends with ds4's prefill/generation t/s line."""
@@ -404,6 +406,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         if dump_logits is not None and result.prompt_logits is not None:
             _write_logits(dump_logits, result.prompt_logits)
         console.print(result.stats_line(), highlight=False)
+        if stats:
+            console.print(_stats_line(loaded, m, result), highlight=False)
         return result
 
     if prompt is not None:
@@ -431,6 +435,74 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
             continue
         result = turn(conv.add_user(line))
         conv.add_reply(result.tokens)
+
+
+def _stats_line(loaded, model, result) -> str:
+    """Residency counters and the decode rate in weight bytes per second."""
+    from ds4py.bench import weight_bytes_per_token
+    c = loaded.source.counters
+    gbps = result.gen_tps * weight_bytes_per_token(model) / 1e9
+    return (f"ds4py: stats: weights {getattr(loaded.source, 'regime', 'cpu')}; H2D at load {gib(c.h2d_load_bytes)}, "
+            f"per request so far {gib(c.h2d_request_bytes)}; disk read {gib(c.disk_read_bytes)}; expert cache "
+            f"{c.expert_hits} hits / {c.expert_misses} misses / {c.expert_evictions} evictions; decode {gbps:.1f} GB/s of weights")
+
+
+@app.command()
+@weight_options
+def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF to benchmark (default: the embedded tiny model)."),
+          prompt_file: Path = typer.Option(..., "--prompt-file", help="Text to prefill from (ds4's corpus: promessi_sposi.txt); "
+                                                                      "tokenized raw, must give >= --ctx-max tokens."),
+          ctx_start: int = typer.Option(2048, "--ctx-start", help="First context frontier."),
+          ctx_max: int = typer.Option(16384, "--ctx-max", help="Last context frontier."),
+          step_incr: int = typer.Option(0, "--step-incr", help="Frontier step (added)."),
+          step_mul: float = typer.Option(0.0, "--step-mul", help="Frontier step (multiplied); default ×2 if neither is given."),
+          gen_tokens: int = typer.Option(128, "--gen-tokens", min=1, help="Greedy tokens decoded at each frontier (EOS never stops them)."),
+          csv: Optional[Path] = typer.Option(None, "--csv", help="Write ds4-bench's 9-column CSV here (else stdout)."),
+          weights=None):
+    """ds4-bench's methodology: one load, incremental prefill to each frontier (only the new tokens
+    timed), KV snapshot, a fixed greedy probe, restore, continue. CSV as ds4-bench writes it, plus a
+    table with the weight regime and decode as a fraction of the roofline (weight bytes per token ÷
+    the copy bandwidth measured at start). --ctx defaults to ctx-max + gen-tokens."""
+    import dataclasses
+
+    from ds4py import bench as b
+    from ds4py.engine import open_engine
+    from ds4py.io.spec import open_model
+    from ds4py.tokenizer import Tokenizer
+
+    if not step_incr and not step_mul:
+        step_mul = 2.0
+    points = b.frontiers(ctx_start, ctx_max, step_incr, step_mul)
+    try:
+        text = prompt_file.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise Ds4Error(f"{prompt_file}: cannot read the prompt file ({e.strerror})") from None
+    path = model if model is not None else default_model_path()
+    m = open_model(str(path))
+    tok = Tokenizer.from_gguf(m.file)
+    ids = tok.encode(text)
+    if weights.n_ctx < points[-1] + gen_tokens + 1:
+        weights = dataclasses.replace(weights, n_ctx=points[-1] + gen_tokens + 1)
+    loaded = open_engine(m, weights, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    ceiling, what = b.copy_ceiling(loaded.kind)
+    per_token = b.weight_bytes_per_token(m)
+    lines = [b.CSV_HEADER]
+    if csv is None:
+        print(b.CSV_HEADER, flush=True)
+
+    def on_row(row):
+        lines.append(row.csv())
+        if csv is None:
+            print(row.csv(), flush=True)
+    rows = b.run_bench(loaded.engine, ids, tok.eos_id, points, gen_tokens, on_row=on_row)
+    if csv is not None:
+        try:
+            csv.write_text("\n".join(lines) + "\n")
+        except OSError as e:
+            raise Ds4Error(f"{csv}: cannot write the CSV ({e.strerror})") from None
+    regime = getattr(loaded.source, "regime", "cpu")
+    console.print(b.bench_table(rows, regime, per_token, ceiling, what))
+    loaded.close()
 
 
 @app.command()

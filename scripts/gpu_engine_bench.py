@@ -55,10 +55,12 @@ def main():
     results["roofline_tps"] = ceiling / bpt
     log(f"copy ceiling {ceiling / 1e9:.0f} GB/s ({what}); weights/token {bpt / 1e9:.2f} GB; roofline {ceiling / bpt:.1f} tok/s")
 
+    from ds4py.engine import open_engine
+    from ds4py.options import WeightOptions
     t0 = time.time()
-    source = sources.DeviceSource(model, progress=False)
-    results["load"] = dict(seconds=time.time() - t0, counters=source.counters.as_dict())
-    engine = CudaEngine(model, source, n_ctx)
+    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx), progress=False)     # the detector decides
+    source, engine = loaded.source, loaded.engine
+    results["load"] = dict(seconds=time.time() - t0, regime=source.regime, counters=source.counters.as_dict())
     t0 = time.time()
     first = engine.decode(1)
     results["first_step_s"] = time.time() - t0
