@@ -52,6 +52,15 @@ def gib(n: int) -> str:
     return f"{n} B"
 
 
+def roles_table(title: str, bytes_by_role: dict) -> Table:
+    table = Table(title=title, show_header=True)
+    table.add_column("role")
+    table.add_column("bytes", justify="right")
+    for role, n in bytes_by_role.items():
+        table.add_row(role, gib(n))
+    return table
+
+
 # ---- inspect -----------------------------------------------------------------------------------------
 
 SPECIAL_STRINGS = {
@@ -124,12 +133,7 @@ def print_report(r: dict) -> None:
     out.print(f"  compress ratios {r['compress_ratios']}")
     out.print(f"  {r['tensor_count']} tensors describing {gib(r['bytes_described'])}; file {gib(r['file_size'])}"
               + (f" ({r['aliased_tensors']} tensors share data: {gib(r['bytes_unique'])} distinct)" if r["aliased_tensors"] else ""))
-    table = Table(title="bytes by role", show_header=True)
-    table.add_column("role")
-    table.add_column("bytes", justify="right")
-    for role, n in r["bytes_by_role"].items():
-        table.add_row(role, gib(n))
-    out.print(table)
+    out.print(roles_table("bytes by role", r["bytes_by_role"]))
     out.print("  by type: " + ", ".join(f"{t} {gib(n)}" for t, n in r["bytes_by_type"].items()))
     tok = r["tokenizer"]
     out.print(f"  tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, specials "
@@ -295,12 +299,7 @@ def print_probe(r: dict) -> None:
     facts.add_row("KV", f"{gib(m['kv_bytes'])} at --ctx {m['n_ctx']}; scratch {gib(m['scratch_bytes'])}")
     out.print(facts)
 
-    roles = Table(title="bytes by role (described; aliases counted each time)", show_header=True)
-    roles.add_column("role")
-    roles.add_column("bytes", justify="right")
-    for role, n in m["bytes_by_role"].items():
-        roles.add_row(role, gib(n))
-    out.print(roles)
+    out.print(roles_table("bytes by role (described; aliases counted each time)", m["bytes_by_role"]))
 
     opts = Table(title="options", show_header=True)
     for col in ("option", "value", "from", "environment"):

@@ -48,24 +48,9 @@ def warp_sum_f32(value):
 
 
 @cuda.jit(device=True)
-def block_sum_f64(value, scratch):
-    """Sum of one float64 per thread over the block. Every thread gets the total."""
-    tid = cuda.threadIdx.x
-    scratch[tid] = value
-    cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
-    while stride > 0:
-        if tid < stride:
-            scratch[tid] += scratch[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    total = scratch[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True)
-def block_sum_f32(value, scratch):
+def block_sum(value, scratch):
+    """Sum of one value per thread over the block, in the scratch's precision (float64 scratch for
+    ds4's double Σx², float32 otherwise). Every thread gets the total."""
     tid = cuda.threadIdx.x
     scratch[tid] = value
     cuda.syncthreads()
@@ -221,9 +206,9 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
         v = state[stream, d0 + j]
         dot += float32(w16[base + j]) * v
         sumsq += float64(v) * float64(v)
-    total_dot = block_sum_f32(dot, scratch32)
+    total_dot = block_sum(dot, scratch32)
     if row == 0:
-        total_sq = block_sum_f64(sumsq, scratch64)
+        total_sq = block_sum(sumsq, scratch64)
         if tid == 0:
             part_sq[chunk] = total_sq
     if tid == 0:
@@ -319,7 +304,7 @@ def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_e
             y += pre[h] * state[h, i]
         x_out[i] = y
         sumsq += float64(y) * float64(y)
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), n_embd, rms_eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), n_embd, rms_eps)
     for i in range(tid, n_embd, cuda.blockDim.x):
         x_out[i] = x_out[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
@@ -360,7 +345,7 @@ def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_o
             e += gate[h] * state[h, i]
         x_out[i] = e
         sumsq += float64(e) * float64(e)
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), n_embd, rms_eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), n_embd, rms_eps)
     for i in range(tid, n_embd, cuda.blockDim.x):
         x_out[i] = x_out[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
@@ -376,7 +361,7 @@ def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     sumsq = float64(0.0)
     for i in range(tid, n, cuda.blockDim.x):
         sumsq += float64(x[i]) * float64(x[i])
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), n, eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), n, eps)
     for i in range(tid, n, cuda.blockDim.x):
         x_out[i] = x[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
@@ -461,7 +446,7 @@ def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     sumsq = float64(0.0)
     for i in range(tid, n, cuda.blockDim.x):
         sumsq += float64(kv[i]) * float64(kv[i])
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), n, eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), n, eps)
     for i in range(tid, n, cuda.blockDim.x):
         kv[i] = kv[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
@@ -483,7 +468,7 @@ def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
     sumsq = float64(0.0)
     for i in range(tid, head_dim, cuda.blockDim.x):
         sumsq += float64(q[base + i]) * float64(q[base + i])
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), head_dim, eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), head_dim, eps)
     for i in range(tid, head_dim, cuda.blockDim.x):
         q[base + i] = q[base + i] * scale
     cuda.syncthreads()
@@ -540,7 +525,7 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
     sumsq = float64(0.0)
     if tid < head_dim:
         sumsq = float64(pooled[tid]) * float64(pooled[tid])
-    scale = rms_scale(block_sum_f64(sumsq, scratch64), head_dim, eps)
+    scale = rms_scale(block_sum(sumsq, scratch64), head_dim, eps)
     if tid < head_dim:
         pooled[tid] = pooled[tid] * scale * w32[norm_off + tid]
     cuda.syncthreads()
@@ -592,7 +577,7 @@ def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, 
         for i in range(idx_dim):
             dot += row[i] * iq[h * idx_dim + i]
         total += head_w[h] * float32(weight_scale) * max(dot, float32(0.0))
-    total = block_sum_f32(total, scratch32)
+    total = block_sum(total, scratch32)
     if tid == 0:
         scores[c] = total
 
@@ -775,7 +760,7 @@ def attention_partial(q, raw_cache, comp_cache, selected, n_selected, pos_buf, n
         e = math.exp(scores[k] - m)
         scores[k] = e
         local_den += e
-    den = block_sum_f32(local_den, scratch32)
+    den = block_sum(local_den, scratch32)
     n_raw_mine = max(0, min(n_raw - r0, n_mine))
     for i in range(tid, head_dim, cuda.blockDim.x):
         acc = float32(0.0)

@@ -1,10 +1,15 @@
 """Shared fixtures: synthetic models built once per test session."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from ds4py import synth
+
+
+# ds4's benchmark corpus: ../shared beside the checkout (and beside CI's clone); never copied in.
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "promessi_sposi.txt"
 
 
 @pytest.fixture(scope="session")

