@@ -148,8 +148,19 @@ class ModelSpec:
                 comp += (n_ctx // 4 + 2) * self.idx_dim * 4
         return raw + comp
 
+    def ds4_differences(self) -> list[str]:
+        """The keys whose value differs from ds4's compiled-in model. Floats compare as ds4's
+        required_f32 does: within max(1, |expected|)·1e-6 (1e-6 read back from an f32 key is
+        9.99999997e-07)."""
+        def same(key, want):
+            got = getattr(self, key)
+            if isinstance(want, float):
+                return abs(got - want) <= max(1.0, abs(want)) * 1e-6
+            return got == want
+        return [k for k, v in DS4_FLASH_VALUES.items() if not same(k, v)]
+
     def is_ds4_flash(self) -> bool:
-        return all(getattr(self, k) == v for k, v in DS4_FLASH_VALUES.items()) and \
+        return not self.ds4_differences() and \
             self.compress_ratios == tuple(ds4_compress_ratio(il) for il in range(43)) and \
             all(c == 10.0 for c in self.swiglu_clamp)
 
@@ -365,7 +376,7 @@ def validate(g: gguf.GGUFFile, s: ModelSpec) -> Validation:
     problems += _check_expert_types(g, s)
     problems += _check_hash_table(g, s)
     if not s.is_ds4_flash():
-        diffs = [k for k, v in DS4_FLASH_VALUES.items() if getattr(s, k) != v]
+        diffs = s.ds4_differences()
         if s.compress_ratios != tuple(ds4_compress_ratio(il) for il in range(43)):
             diffs.append("compress_ratios")
         if any(c != 10.0 for c in s.swiglu_clamp):

@@ -292,3 +292,15 @@ def test_fuzz_truncate_and_mutate(tmp_path, micro_model, data):
         open_model(p).close()
     except ModelFileError as e:
         assert str(p) in str(e)
+
+
+def test_flash_metadata_reads_back_as_ds4s_model(tmp_path):
+    """The f32 keys (epsilons) read back as float32 values; they must still count as ds4's."""
+    from ds4py.io.spec import read_spec
+    path = tmp_path / "flash-meta.gguf"
+    spec = synth.preset_spec("flash")
+    gguf.write_gguf(str(path), synth.metadata_for(spec, "flash"), [], {}, lambda blob, f: None)
+    with gguf.GGUFFile(path) as g:
+        back = read_spec(g)
+    assert back.rms_eps != 1e-6 and back.is_ds4_flash(), back.ds4_differences()
+    assert dataclasses.replace(back, n_layer=42).ds4_differences() == ["n_layer"]
