@@ -280,6 +280,26 @@ def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, 
         cuda.syncthreads()
 
 
+@cuda.jit(device=True)
+def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64):
+    """x = RMSNorm(Σ_h gates[h]·X[h])·w, and its Q8_0 quantization (every block thread calls):
+    the input of a sublayer (HC pre) and of the output head (HC head collapse)."""
+    tid = cuda.threadIdx.x
+    n_hc, n_embd = state.shape
+    sumsq = float64(0.0)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        y = float32(0.0)
+        for h in range(n_hc):
+            y += gates[h] * state[h, i]
+        x_out[i] = y
+        sumsq += float64(y) * float64(y)
+    scale = rms_scale(block_sum(sumsq, scratch64), n_embd, eps)
+    for i in range(tid, n_embd, cuda.blockDim.x):
+        x_out[i] = x_out[i] * scale * w32[norm_off + i]
+    cuda.syncthreads()
+    quantize_q8_0_block_values(x_out, 0, xq, xd)
+
+
 @cuda.jit(cache=True)
 def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
            post_out, comb_out, x_out, xq, xd):
@@ -297,18 +317,7 @@ def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_e
     if tid < n_hc * n_hc:
         comb_out[tid] = comb[tid]
     cuda.syncthreads()
-    sumsq = float64(0.0)
-    for i in range(tid, n_embd, cuda.blockDim.x):
-        y = float32(0.0)
-        for h in range(n_hc):
-            y += pre[h] * state[h, i]
-        x_out[i] = y
-        sumsq += float64(y) * float64(y)
-    scale = rms_scale(block_sum(sumsq, scratch64), n_embd, rms_eps)
-    for i in range(tid, n_embd, cuda.blockDim.x):
-        x_out[i] = x_out[i] * scale * w32[norm_off + i]
-    cuda.syncthreads()
-    quantize_q8_0_block_values(x_out, 0, xq, xd)
+    collapse_norm_q8(state, pre, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
 
 @cuda.jit(cache=True)
@@ -338,18 +347,7 @@ def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_o
     if tid < n_hc:
         gate[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
     cuda.syncthreads()
-    sumsq = float64(0.0)
-    for i in range(tid, n_embd, cuda.blockDim.x):
-        e = float32(0.0)
-        for h in range(n_hc):
-            e += gate[h] * state[h, i]
-        x_out[i] = e
-        sumsq += float64(e) * float64(e)
-    scale = rms_scale(block_sum(sumsq, scratch64), n_embd, rms_eps)
-    for i in range(tid, n_embd, cuda.blockDim.x):
-        x_out[i] = x_out[i] * scale * w32[norm_off + i]
-    cuda.syncthreads()
-    quantize_q8_0_block_values(x_out, 0, xq, xd)
+    collapse_norm_q8(state, gate, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
 
 @cuda.jit(cache=True)
