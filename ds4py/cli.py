@@ -334,10 +334,13 @@ def print_probe(r: dict) -> None:
 # ---- run / tokenize --------------------------------------------------------------------------------
 
 def _stream_printer(tok):
-    """on_token callback: print each token's text as soon as it is complete UTF-8."""
+    """on_token callback: print each token's text as soon as it is complete UTF-8 (the EOS that
+    ends a reply is not printed, as ds4 does not)."""
     decoder = tok.stream_decoder()
 
     def on_token(token_id: int) -> None:
+        if token_id == tok.eos_id:
+            return
         text = decoder.feed(token_id)
         if text:
             sys.stdout.write(text)
