@@ -13,7 +13,6 @@ pairs and for the byte offsets of the selected experts.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -155,6 +154,7 @@ class CudaEngine:
         # Experts resident in the arena (device / host-mapped sources): the router kernel computes
         # their offsets on the device. Otherwise the host fetches them into the expert cache.
         self.experts_resident = source.expert_base(0) is not None
+        self._zero_bases = cuda.to_device(np.zeros(6, np.int64))     # router offsets unused: cache path
         self.expert_bases = [cuda.to_device(np.asarray(tuple(source.expert_base(il)), dtype=np.int64))
                              if self.experts_resident else None for il in range(s.n_layer)]
         self._n_past = 0
@@ -388,12 +388,6 @@ class CudaEngine:
 
     # ---- running ---------------------------------------------------------------------------------
 
-    @property
-    def _zero_bases(self):
-        if not hasattr(self, "_zero_bases_buf"):
-            self._zero_bases_buf = cuda.to_device(np.zeros(6, np.int64))
-        return self._zero_bases_buf
-
     def _build_graphs(self):
         """Warm every kernel up eagerly once (compiles, loads modules), then capture."""
         segments = self._segments()
@@ -516,10 +510,3 @@ class CudaEngine:
         self.skip = set()
         self.restore(saved)
         return result
-
-    def timed_decode(self, token: int, n: int) -> float:
-        """n greedy steps from `token`, timed on the device; returns seconds."""
-        start = time.perf_counter()
-        for _ in range(n):
-            token = self.decode_greedy(token)
-        return time.perf_counter() - start

@@ -928,11 +928,3 @@ def argmax(logits, forbid, out_token):
     _, winner = block_argmax(v, idx, best_val, best_idx)
     if tid == 0:
         out_token[0] = winner
-
-
-@cuda.jit(cache=True)
-def advance(pos_buf, token_buf, next_token):
-    """End of a decode step: the sampled token becomes the next input, the position moves on."""
-    if cuda.grid(1) == 0:
-        token_buf[0] = next_token[0]
-        pos_buf[0] += 1

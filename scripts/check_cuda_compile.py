@@ -30,7 +30,6 @@ sigs = {
  "swiglu_q8": (f32a, f32a, f64, f32a, i8a, f32a),
  "quantize_q8_0": (f32a, i8a, f32a),
  "argmax": (f32a, i32a, i32a),
- "advance": (i32a, i32a, i32a),
 }
 bad = 0
 for name, sig in sigs.items():
