@@ -1,6 +1,7 @@
 """The GPU engine's wiring, run in Numba's CUDA simulator against the CPU engine.
 
-Run by test_engine_sim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1. The quantized matvecs use
+Run by hand (minutes on a laptop): `NUMBA_ENABLE_CUDASIM=1 python scripts/check_engine_sim.py [N]`
+compares the first N positions. The quantized matvecs use
 dp4a intrinsics that the simulator cannot run, so they are replaced here by host computations
 with the same numerics (kernels/cpu.py); everything else (the cuda_ops kernels, the engine's
 buffers, offsets, segments and state) runs as written. The point is to catch wiring mistakes
