@@ -379,8 +379,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         stats: bool = typer.Option(False, "--stats", help="After each reply: host->device bytes at load and per "
                                                           "request, expert-cache hits/misses, decode GB/s."),
         weights=None):
-    """Generate text: one shot with -p (tokens stream as they come), else an interactive multi-turn chat
-    (/think, /nothink, /quit; Ctrl-C stops a reply; EOF exits). Ends with ds4's prefill/generation t/s line."""
+    """Generate text: one shot with -p, else an interactive multi-turn chat.
+
+    With -p the tokens stream as they come; without it, a chat (/think, /nothink, /quit; Ctrl-C
+    stops a reply; EOF exits). Ends with ds4's prefill/generation t/s line."""
     from ds4py.chat import Conversation, render_prompt
     from ds4py.engine import open_engine
     from ds4py.generate import Session, generate
@@ -461,10 +463,12 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
           gen_tokens: int = typer.Option(128, "--gen-tokens", min=1, help="Greedy tokens decoded at each frontier (EOS never stops them)."),
           csv: Optional[Path] = typer.Option(None, "--csv", help="Write ds4-bench's 9-column CSV here (else stdout)."),
           weights=None):
-    """ds4-bench's methodology: one load, incremental prefill to each frontier (only the new tokens
-    timed), KV snapshot, a fixed greedy probe, restore, continue. CSV as ds4-bench writes it, plus a
-    table with the weight regime and decode as a fraction of the roofline (weight bytes per token ÷
-    the copy bandwidth measured at start). --ctx defaults to ctx-max + gen-tokens."""
+    """Prefill and decode speed at growing contexts, as ds4-bench measures it (same CSV).
+
+    One load; incremental prefill to each frontier (only the new tokens timed), KV snapshot, a
+    fixed greedy probe, restore, continue. Then a table with the weight regime and decode as a
+    fraction of the roofline (weight bytes per token ÷ the copy bandwidth measured at start).
+    --ctx defaults to ctx-max + gen-tokens."""
     import dataclasses
 
     from ds4py import bench as b
