@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from ds4py.errors import Ds4Error
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
 from ds4py.kernels import cuda_ops as ops
@@ -142,6 +143,10 @@ class CudaEngine:
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx
+        most_rows = s.n_swa + max([n_ctx // r for r in s.compress_ratios if r > 4] + [s.idx_topk])
+        if most_rows > ops.MAX_ROWS * ops.ATTN_SPLITS:
+            raise Ds4Error(f"--ctx {n_ctx} gives up to {most_rows} attention rows per head; the GPU attention "
+                           f"kernel handles {ops.MAX_ROWS * ops.ATTN_SPLITS}: lower --ctx")
         self.stream = cuda.stream()
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
