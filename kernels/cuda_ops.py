@@ -386,19 +386,28 @@ def rope_tail(vec, base, n_nope, n_rot, pos, freqs, inverse):
 
 
 @cuda.jit(device=True)
-def fp8_sim_blocks(vec, base, n, scratch32):
-    """FP8 E4M3 simulation of vec[base:base+n] in 64-value blocks (§6.9). All block threads call."""
+def scaled_block_sim(vec, base, n, block, vmax, amax_floor, fp8, scratch32):
+    """The QAT simulations of §6.9 on vec[base:base+n], in blocks (all block threads call, with
+    blockDim >= block): a power-of-two scale 2^ceil(log2(amax/vmax)), the value clamped to ±vmax
+    and rounded to the nearest FP8 E4M3 (fp8=True, block 64, max 448) or FP4 E2M1 (block 32, max 6)
+    value, then scaled back."""
     tid = cuda.threadIdx.x
-    for blk in range(n // 64):
-        v = abs(vec[base + blk * 64 + tid]) if tid < 64 else float32(0.0)
-        amax = max(block_max_f32(v, scratch32), float32(1e-4))
-        scale = pow2(ceil_log2(amax / FP8_MAX))
-        if tid < 64:
-            i = base + blk * 64 + tid
-            x = min(max(vec[i] / scale, -FP8_MAX), FP8_MAX)
-            r = fp8_e4m3_round(abs(x))
+    for blk in range(n // block):
+        v = abs(vec[base + blk * block + tid]) if tid < block else float32(0.0)
+        amax = max(block_max_f32(v, scratch32), float32(amax_floor))
+        scale = pow2(ceil_log2(amax / vmax))
+        if tid < block:
+            i = base + blk * block + tid
+            x = min(max(vec[i] / scale, -vmax), vmax)
+            r = fp8_e4m3_round(abs(x)) if fp8 else fp4_e2m1_round(abs(x))
             vec[i] = float32((r if x >= 0 else -r) * scale)
         cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def fp8_sim_blocks(vec, base, n, scratch32):
+    """FP8 E4M3 simulation of vec[base:base+n] in 64-value blocks, amax floor 1e-4."""
+    scaled_block_sim(vec, base, n, 64, FP8_MAX, 1e-4, True, scratch32)
 
 
 @cuda.jit(device=True)
@@ -420,16 +429,7 @@ def hadamard_fp4(vec, base, n, scratch32):
     if tid < n:
         vec[base + tid] = vec[base + tid] * float32(1.0 / math.sqrt(n))
     cuda.syncthreads()
-    for blk in range(n // 32):
-        v = abs(vec[base + blk * 32 + tid]) if tid < 32 else float32(0.0)
-        amax = max(block_max_f32(v, scratch32), float32(7.052966104933725e-38))
-        scale = pow2(ceil_log2(amax / FP4_MAX))
-        if tid < 32:
-            i = base + blk * 32 + tid
-            x = min(max(vec[i] / scale, -FP4_MAX), FP4_MAX)
-            r = fp4_e2m1_round(abs(x))
-            vec[i] = float32((r if x >= 0 else -r) * scale)
-        cuda.syncthreads()
+    scaled_block_sim(vec, base, n, 32, FP4_MAX, 7.052966104933725e-38, False, scratch32)
 
 
 @cuda.jit(cache=True)
