@@ -230,6 +230,25 @@ def hc_mix_finish(part_dot, part_sq, n, eps, mix_out):
 
 
 @cuda.jit(device=True)
+def sinkhorn_pass(comb, n_hc, by_row, eps32):
+    """Divide each comb element by its row sum (by_row) or its column sum, + eps; the sums run in
+    index order. Every block thread calls; thread k < n_hc² owns element (k // n_hc, k % n_hc)."""
+    tid = cuda.threadIdx.x
+    i = tid // n_hc
+    j = tid - i * n_hc
+    value = float32(0.0)
+    if tid < n_hc * n_hc:
+        total = float32(0.0)
+        for k in range(n_hc):
+            total += comb[i * n_hc + k] if by_row else comb[k * n_hc + j]
+        value = comb[tid] / (total + eps32)
+    cuda.syncthreads()
+    if tid < n_hc * n_hc:
+        comb[tid] = value
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
 def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, comb):
     """pre/post gates and the doubly-normalised comb matrix from the mixer values (§6.2).
     Called by every thread of the block: thread k < n_hc² owns comb element (k // n_hc, k % n_hc);
@@ -237,7 +256,6 @@ def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, 
     tid = cuda.threadIdx.x
     nn = n_hc * n_hc
     i = tid // n_hc
-    j = tid - i * n_hc
     eps32 = float32(eps)
     if tid < n_hc:
         pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + eps32
@@ -260,24 +278,8 @@ def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, 
     cuda.syncthreads()
     for it in range(n_iter):
         if it > 0:                                 # rows, then columns, n_iter - 1 times
-            if tid < nn:
-                row_sum = float32(0.0)
-                for jj in range(n_hc):
-                    row_sum += comb[i * n_hc + jj]
-                value = comb[tid] / (row_sum + eps32)
-            cuda.syncthreads()
-            if tid < nn:
-                comb[tid] = value
-            cuda.syncthreads()
-        if tid < nn:
-            col_sum = float32(0.0)
-            for ii in range(n_hc):
-                col_sum += comb[ii * n_hc + j]
-            value = comb[tid] / (col_sum + eps32)
-        cuda.syncthreads()
-        if tid < nn:
-            comb[tid] = value
-        cuda.syncthreads()
+            sinkhorn_pass(comb, n_hc, True, eps32)
+        sinkhorn_pass(comb, n_hc, False, eps32)
 
 
 @cuda.jit(device=True)
