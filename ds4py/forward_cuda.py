@@ -92,20 +92,21 @@ class Scratch:
         s = spec
         q_dim = s.n_head * s.head_dim
         self.state = d((s.n_hc, s.n_embd), f32)
-        self.mix = d(s.hc_mix, f32)
         self.hc_chunk = ops.hc_chunk(s.n_embd)
         n_chunks = s.n_hc * s.n_embd // self.hc_chunk
+        assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         self.part_dot = d((s.hc_mix, n_chunks), f32)
         self.part_sq = d(n_chunks, np.float64)
         self.post = d(s.n_hc, f32)
         self.comb = d(s.n_hc * s.n_hc, f32)
         self.x, self.xq, self.xd = d(s.n_embd, f32), d(s.n_embd, i8), d(s.n_embd // 32, f32)
-        self.qr = d(s.q_lora, f32)
+        # outputs of two projections launched together are halves of one buffer
+        self.qr_kv = d(s.q_lora + s.head_dim, f32)
+        self.qr, self.kv = self.qr_kv[:s.q_lora], self.qr_kv[s.q_lora:]
         self.qrn, self.qrn_q, self.qrn_d = d(s.q_lora, f32), d(s.q_lora, i8), d(s.q_lora // 32, f32)
         self.q = d(q_dim, f32)
-        self.kv = d(s.head_dim, f32)
-        self.ckv, self.csc = d(2 * s.head_dim, f32), d(2 * s.head_dim, f32)
-        self.ikv, self.isc = d(2 * s.idx_dim, f32), d(2 * s.idx_dim, f32)
+        self.comp_pair = d(4 * s.head_dim, f32)      # a compressor's kv and gate projections
+        self.icomp_pair = d(4 * s.idx_dim, f32)
         self.iq = d(s.n_ihead * s.idx_dim, f32)
         self.head_w = d(s.n_ihead, f32)
         self.scores = d(max_rows, f32)
@@ -125,11 +126,13 @@ class Scratch:
         self.route_w = d(s.n_used, f32)
         self.slot_offsets = d((s.n_used, 3), np.int64)
         self.moe_out = d(s.n_embd, f32)
-        self.sh_gate, self.sh_up = d(s.n_ff, f32), d(s.n_ff, f32)
+        self.sh_gate_up = d(2 * s.n_ff, f32)
+        self.sh_gate, self.sh_up = self.sh_gate_up[:s.n_ff], self.sh_gate_up[s.n_ff:]
         self.sh_mid, self.sh_q, self.sh_d = d(s.n_ff, f32), d(s.n_ff, i8), d(s.n_ff // 32, f32)
         self.sh_out = d(s.n_embd, f32)
         self.logits = d(s.n_vocab, f32)
         self.next_token = d(1, i32)
+        self.argmax_val, self.argmax_idx = d(ops.ARGMAX_BLOCKS, f32), d(ops.ARGMAX_BLOCKS, i32)
         self.forbid = cuda.to_device(np.full(1, -1, i32))
         self.pos = cuda.to_device(np.zeros(1, i32))
         self.token = cuda.to_device(np.zeros(1, i32))
@@ -224,20 +227,36 @@ class CudaEngine:
         else:
             raise ValueError(f"{name}: no matvec for type {info.type_name}")
 
+    def _matvec_pair(self, name_a: str, name_b: str, x_f32, xq, xd, out):
+        """out = concat(W[name_a] · x, W[name_b] · x): one launch when both have the same type and
+        row length (the usual case), two otherwise."""
+        a, b = self.info(name_a), self.info(name_b)
+        rows_a, rows_b = a.ne[1], b.ne[1]
+        if a.ggml_type == b.ggml_type and a.ne[0] == b.ne[0] and a.ggml_type in (GGML_Q8_0, GGML_F16):
+            if a.ggml_type == GGML_Q8_0:
+                qk.matvec_q8_0_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
+                                    xq, xd, out, self.stream)
+            else:
+                qk.matvec_f16_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
+                                   x_f32, out, self.stream)
+            return
+        self._matvec(name_a, x_f32, xq, xd, out[:rows_a])
+        self._matvec(name_b, x_f32, xq, xd, out[rows_a:rows_a + rows_b])
+
     def _hc_pre(self, prefix: str, sub: str, norm_name: str):
         s, b, st = self.spec, self.buf, self.stream
         self._hc_mix(self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
-        ops.hc_pre[1, BLOCK, st](b.state, b.mix, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
+        ops.hc_pre[2, BLOCK, st](b.state, b.part_dot[:s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
                                  self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
                                  s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
     def _hc_mix(self, fn_off16: int, n_rows: int):
-        """mix = fn · RMS-normalised flat state, as partial dots over chunks, then combined."""
-        s, b, st = self.spec, self.buf, self.stream
+        """mix = fn · RMS-normalised flat state, as partial dots over chunks; the consumer (hc_pre,
+        hc_head) adds the partials."""
+        b, st = self.buf, self.stream
         n_chunks = b.part_dot.shape[1]
         ops.hc_mix_partial[(n_rows, n_chunks), BLOCK, st](b.state, self.w16, fn_off16, b.hc_chunk,
                                                           b.part_dot[:n_rows], b.part_sq)
-        ops.hc_mix_finish[1, 32, st](b.part_dot[:n_rows], b.part_sq, s.n_hc * s.n_embd, s.rms_eps, b.mix)
 
     def _attention(self, il: int):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
@@ -249,7 +268,7 @@ class CudaEngine:
         if self._on("attn_proj"):
             self._attn_proj(il, freqs)
         if ratio and self._on("compress"):
-            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.ckv, b.csc,
+            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
                              layer.kv_state, layer.score_state, layer.comp, False)
         if ratio == 4 and self._on("index"):
             self._indexer(il, freqs)
@@ -268,8 +287,7 @@ class CudaEngine:
     def _attn_proj(self, il: int, freqs):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
         p = f"blk.{il}."
-        self._matvec(p + "attn_q_a.weight", b.x, b.xq, b.xd, b.qr)
-        self._matvec(p + "attn_kv.weight", b.x, b.xq, b.xd, b.kv)
+        self._matvec_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv)
         ops.rmsnorm_q8[1, BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
                                      b.qrn, b.qrn_q, b.qrn_d)
         self._matvec(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q)
@@ -281,7 +299,7 @@ class CudaEngine:
         """The indexer lane's compressor, then the top-idx_topk selection of compressed rows."""
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
         p = f"blk.{il}."
-        self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.ikv, b.isc,
+        self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
                          layer.ikv_state, layer.iscore_state, layer.icomp, True)
         self._matvec(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq)
         ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
@@ -298,26 +316,29 @@ class CudaEngine:
         s, b, st = self.spec, self.buf, self.stream
         p = f"blk.{il}."
         q_dim = s.n_head * s.head_dim
-        ops.quantize_q8_0[(q_dim // 32 + 255) // 256, 256, st](b.attn, b.attn_q, b.attn_d)
+        ops.quantize_q8_0[ops.q8_0_grid(q_dim), 256, st](b.attn, b.attn_q, b.attn_d)
         group_in = q_dim // s.n_group
-        for g in range(s.n_group):
-            self._matvec(p + "attn_output_a.weight", None, b.attn_q, b.attn_d,
-                         b.low[g * s.o_lora:(g + 1) * s.o_lora], x_offset=g * group_in,
-                         rows=s.o_lora, row0=g * s.o_lora)
-        ops.quantize_q8_0[(s.n_group * s.o_lora // 32 + 255) // 256, 256, st](b.low, b.low_q, b.low_d)
+        name = p + "attn_output_a.weight"
+        if self.info(name).ggml_type == GGML_Q8_0:       # the 8 groups in one launch
+            qk.matvec_q8_0_grouped(self.arena, self.off(name), s.n_group * s.o_lora, group_in, s.n_group,
+                                   b.attn_q, b.attn_d, b.low, self.stream)
+        else:
+            for g in range(s.n_group):
+                self._matvec(name, b.attn, b.attn_q, b.attn_d, b.low[g * s.o_lora:(g + 1) * s.o_lora],
+                             x_offset=g * group_in, rows=s.o_lora, row0=g * s.o_lora)
+        ops.quantize_q8_0[ops.q8_0_grid(s.n_group * s.o_lora), 256, st](b.low, b.low_q, b.low_d)
         self._matvec(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn)
 
     def _on(self, group: str) -> bool:
         """False for a group of launches left out while profiling (see profile())."""
         return group not in self.skip
 
-    def _compressor(self, prefix, ratio, head_dim, freqs, kv_t, sc_t, kv_state, score_state, cache,
+    def _compressor(self, prefix, ratio, head_dim, freqs, pair, kv_state, score_state, cache,
                     indexer_lane):
         s, b, st = self.spec, self.buf, self.stream
         width = (2 if ratio == 4 else 1) * head_dim
-        kv_t, sc_t = kv_t[:width], sc_t[:width]
-        self._matvec(prefix + "_kv.weight", b.x, None, None, kv_t)
-        self._matvec(prefix + "_gate.weight", b.x, None, None, sc_t)
+        self._matvec_pair(prefix + "_kv.weight", prefix + "_gate.weight", b.x, None, None, pair[:2 * width])
+        kv_t, sc_t = pair[:width], pair[width:2 * width]
         threads = BLOCK if head_dim <= BLOCK else ops.BLOCK2    # its scratch holds BLOCK2
         assert head_dim <= ops.BLOCK2, "compressor_step handles head_dim <= BLOCK2"
         ops.compressor_step[1, threads, st](
@@ -352,8 +373,8 @@ class CudaEngine:
             qk.moe_decode(arena, b.slot_offsets, gate_type, down_type, b.x, b.route_w, clamp, b.moe_out,
                           b.moe_work, st)
         if self._on("shared"):
-            self._matvec(p + "ffn_gate_shexp.weight", None, b.xq, b.xd, b.sh_gate)
-            self._matvec(p + "ffn_up_shexp.weight", None, b.xq, b.xd, b.sh_up)
+            self._matvec_pair(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.x, b.xq, b.xd,
+                              b.sh_gate_up)
             ops.swiglu_q8[1, BLOCK, st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
             self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
         if self._on("hc"):
@@ -362,11 +383,12 @@ class CudaEngine:
     def _head(self):
         s, b, st = self.spec, self.buf, self.stream
         self._hc_mix(self.off16("output_hc_fn.weight"), s.n_hc)
-        ops.hc_head[1, BLOCK, st](b.state, b.mix, self.w32, self.off32("output_hc_scale.weight"),
+        ops.hc_head[1, BLOCK, st](b.state, b.part_dot[:s.n_hc], b.part_sq, self.w32, self.off32("output_hc_scale.weight"),
                                   self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
                                   s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
         self._matvec("output.weight", None, b.xq, b.xd, b.logits)
-        ops.argmax[1, BLOCK, st](b.logits, b.forbid, b.next_token)
+        ops.argmax_partial[ops.ARGMAX_BLOCKS, BLOCK, st](b.logits, b.forbid, b.argmax_val, b.argmax_idx)
+        ops.argmax_finish[1, BLOCK, st](b.argmax_val, b.argmax_idx, b.next_token)
 
     def _segments(self):
         """The decode step as a list of launch functions; the host runs `_between(il)` after

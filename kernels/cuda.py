@@ -349,7 +349,8 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
-    def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld):
+    def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a,
+                  x_group_rows):
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -362,12 +363,15 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
         for tt in range(T):
             acc[tt] = float32(0.0)
         if row < rows:                      # warp-uniform
-            hrow = row_h0 + row * row_h
+            # rows past rows_a belong to a second matrix (two matrices, one launch); with
+            # x_group_rows < rows (decode only), row group k reads the k-th slice of x
+            hrow = row_h0 + row * row_h if row < rows_a else row_h0_b + (row - rows_a) * row_h
+            x_tok = tok0 + row // x_group_rows
             nchunks = ((nb + 7) // 8 + U - 1) // U
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
             for c in range(w, nchunks, S):
-                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, tok0, n_tok, acc)
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
         for tt in range(T):
             v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -403,7 +407,7 @@ def _f16_kernel(S, T):
     step_fn = _make_f16_step(T)
 
     @cuda.jit
-    def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld):
+    def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -414,7 +418,7 @@ def _f16_kernel(S, T):
         for tt in range(T):
             acc[tt] = float32(0.0)
         if row < rows:
-            wrow = row_w0 + row * row_w
+            wrow = row_w0 + row * row_w if row < rows_a else row_w0_b + (row - rows_a) * row_w
             nfull = npairs >> 5
             for step in range(w, nfull, S):
                 step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc)
@@ -438,51 +442,89 @@ def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
 
-def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
-    """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
-    (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous)."""
-    if off % 2 or K % 32:
+def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1):
+    """Q8_0 rows of one or two matrices `parts` = [(byte offset, rows), ...] in one launch:
+    out[t] = concat(W_a · X[t], W_b · X[t]). With x_groups > 1 (one token), the rows split into
+    x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection)."""
+    if K % 32 or any(off % 2 for off, _ in parts):
         raise ValueError("Q8_0: offset must be even and K a multiple of 32")
-    if xq.size != n_tok * K or xd.size != n_tok * (K // 32) or out.size != n_tok * rows:
+    rows = sum(r for _, r in parts)
+    if xq.size != n_tok * K * x_groups or xd.size != xq.size // 32 or out.size != n_tok * rows:
         raise ValueError("Q8_0: activation or output size does not match (n_tok, K, rows)")
+    if x_groups > 1 and (n_tok != 1 or rows % x_groups):
+        raise ValueError("Q8_0: grouped activations need one token and rows divisible by the groups")
     a16, _, _ = _arena_views(arena)
     nb = K // 32
-    if off + rows * 34 * nb > 2 * a16.size:
-        raise ValueError("Q8_0: tensor runs past the end of the arena")
+    for off, r in parts:
+        if off + r * 34 * nb > 2 * a16.size:
+            raise ValueError("Q8_0: tensor runs past the end of the arena")
+    (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     U = _Q8_0_U
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        a16, off // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows)
+        a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
+        off_b // 2, rows_a if len(parts) > 1 else rows, rows // x_groups)
+
+
+def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+    """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
+    (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous)."""
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream)
 
 
 def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
     """out[r] = W[r] . x for Q8_0 weights; x given Q8_0-quantized (xq int8[K], xd f32[K/32])."""
-    matmul_q8_0(arena, off, rows, K, 1, xq, xd, out, stream)
+    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream)
 
 
-def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
-    """out[t, r] = W[r] . X[t] for F16 weights and f32 activations X[n_tok, K] (no quantization)."""
-    if off % 4 or K % 2:
+def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0):
+    """Two Q8_0 matrices with the same input in one launch: out = concat(A · x, B · x)."""
+    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, xq, xd, out, stream)
+
+
+def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0):
+    """Grouped projection in one launch: rows split into n_groups equal groups, group k computes
+    W[group k rows] · x[k*K:(k+1)*K] (x holds n_groups*K values)."""
+    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream, x_groups=n_groups)
+
+
+def _launch_f16(arena, parts, K, n_tok, X, out, stream):
+    """F16 rows of one or two matrices [(byte offset, rows), ...] in one launch, as _launch_q8_0."""
+    if K % 2 or any(off % 4 for off, _ in parts):
         raise ValueError("F16: offset must be a multiple of 4 and K even")
+    rows = sum(r for _, r in parts)
     if X.size != n_tok * K or out.size != n_tok * rows:
         raise ValueError("F16: activation or output size does not match (n_tok, K, rows)")
     _, a32, _ = _arena_views(arena)
-    if off + rows * 2 * K > 4 * a32.size:
-        raise ValueError("F16: tensor runs past the end of the arena")
+    for off, r in parts:
+        if off + r * 2 * K > 4 * a32.size:
+            raise ValueError("F16: tensor runs past the end of the arena")
+    (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
     T = _tok_tile(n_tok)
     kernel = _cached(("f16", S, T), lambda: _f16_kernel(S, T))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        a32, off // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows)
+        a32, off_a // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows,
+        off_b // 4, rows_a if len(parts) > 1 else rows)
+
+
+def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
+    """out[t, r] = W[r] . X[t] for F16 weights and f32 activations X[n_tok, K] (no quantization)."""
+    _launch_f16(arena, [(off, rows)], K, n_tok, X, out, stream)
 
 
 def matvec_f16(arena, off, rows, K, x, out, stream=0):
     """out[r] = W[r] . x for F16 weights and an f32 activation x[K]."""
-    matmul_f16(arena, off, rows, K, 1, x, out, stream)
+    _launch_f16(arena, [(off, rows)], K, 1, x, out, stream)
+
+
+def matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, x, out, stream=0):
+    """Two F16 matrices with the same input in one launch: out = concat(A · x, B · x)."""
+    _launch_f16(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, x, out, stream)
 
 
 # ============================================================================================

@@ -7,8 +7,8 @@ QAT simulations, the KV compressors, the indexer, sink attention, the router and
 Decode-graph rules (kernels-and-numba.md §5.6): every per-token value (position, token id) is read
 from a device buffer, never passed as a Python scalar, so a captured graph replays correctly for
 every token; kernels whose work depends on the position (compressor emission, number of visible
-rows) decide on the device. Reductions use shared memory only (no warp shuffles), so the same code
-also runs in the CUDA simulator on machines without a GPU.
+rows) decide on the device. Reductions use warp shuffles on the GPU and shared memory in the CUDA
+simulator (which has no shuffles), so the same kernels are checked on machines without a GPU.
 
 Weights arrive as typed views of a uint8 arena plus an element offset (`w16`/`w32` float16/float32
 views of the same memory), which keeps one allocation per weight source.
@@ -41,17 +41,35 @@ USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
 
 @cuda.jit(device=True)
 def warp_sum_f32(value):
-    """Butterfly sum over the 32 lanes of a warp; every lane gets the total."""
+    """Butterfly sum over the 32 lanes of a warp; every lane gets the total (f32 or f64)."""
     for offset in (16, 8, 4, 2, 1):
         value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
     return value
 
 
 @cuda.jit(device=True)
+def warp_max_f32(value):
+    for offset in (16, 8, 4, 2, 1):
+        value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, offset))
+    return value
+
+
+@cuda.jit(device=True)
 def block_sum(value, scratch):
     """Sum of one value per thread over the block, in the scratch's precision (float64 scratch for
-    ds4's double Σx², float32 otherwise). Every thread gets the total."""
+    ds4's double Σx², float32 otherwise). Every thread gets the total. On the GPU: warp sums by
+    shuffles, then the warp totals in warp order (two barriers instead of a log2 tree)."""
     tid = cuda.threadIdx.x
+    if USE_SHUFFLES:
+        total = warp_sum_f32(value)
+        if tid % 32 == 0:
+            scratch[tid // 32] = total
+        cuda.syncthreads()
+        total = scratch[0]
+        for w in range(1, cuda.blockDim.x // 32):
+            total += scratch[w]
+        cuda.syncthreads()
+        return total
     scratch[tid] = value
     cuda.syncthreads()
     stride = cuda.blockDim.x // 2
@@ -68,6 +86,16 @@ def block_sum(value, scratch):
 @cuda.jit(device=True)
 def block_max_f32(value, scratch):
     tid = cuda.threadIdx.x
+    if USE_SHUFFLES:
+        best = warp_max_f32(value)
+        if tid % 32 == 0:
+            scratch[tid // 32] = best
+        cuda.syncthreads()
+        best = scratch[0]
+        for w in range(1, cuda.blockDim.x // 32):
+            best = max(best, scratch[w])
+        cuda.syncthreads()
+        return best
     scratch[tid] = value
     cuda.syncthreads()
     stride = cuda.blockDim.x // 2
@@ -147,22 +175,52 @@ def f16_round(x):
 
 
 @cuda.jit(device=True)
-def quantize_q8_0_block_values(vals, base, q_out, d_out):
-    """Q8_0 activation quantization of vals[base:base+n] (n = blockDim, multiple of 32) in-block.
+def q8_0_scale(amax):
+    """ds4 §5.1: d = amax/127 kept as f32, and the multiplier id = 1/d (0 for an all-zero block)."""
+    d = float32(amax / float32(127.0))
+    return d, (float32(1.0) / d if d != 0 else float32(0.0))
 
-    ds4 §5.1: per 32 values amax, d = amax/127 kept as f32, id = 1/d, q = rint(x·id) clamped."""
+
+@cuda.jit(device=True)
+def q8_0_value(v, inv):
+    return max(-128, min(127, int32(round(v * inv))))
+
+
+@cuda.jit(device=True)
+def quantize_q8_0_warp(vals, block, lane, q_out, d_out):
+    """Q8_0 of the 32 values vals[32·block:] by one warp (GPU only): lane i takes value i, the
+    amax comes from a shuffle reduction, so one load per lane instead of 64 serial ones."""
+    v = vals[block * 32 + lane]
+    d, inv = q8_0_scale(warp_max_f32(abs(v)))
+    q_out[block * 32 + lane] = q8_0_value(v, inv)
+    if lane == 0:
+        d_out[block] = d
+
+
+@cuda.jit(device=True)
+def quantize_q8_0_serial(vals, block, q_out, d_out):
+    """The same block by one thread (the simulator's path)."""
+    amax = float32(0.0)
+    for i in range(32):
+        amax = max(amax, abs(vals[block * 32 + i]))
+    d, inv = q8_0_scale(amax)
+    for i in range(32):
+        q_out[block * 32 + i] = q8_0_value(vals[block * 32 + i], inv)
+    d_out[block] = d
+
+
+@cuda.jit(device=True)
+def quantize_q8_0_block_values(vals, q_out, d_out):
+    """Q8_0 activation quantization of a whole vector by one block (all threads call, after the
+    values were written and the block synchronised)."""
     tid = cuda.threadIdx.x
-    n = vals.shape[0]
-    for block in range(tid, n // 32, cuda.blockDim.x):
-        amax = float32(0.0)
-        for i in range(32):
-            amax = max(amax, abs(vals[block * 32 + i]))
-        d = float32(amax / float32(127.0))
-        inv = float32(1.0) / d if d != 0 else float32(0.0)
-        for i in range(32):
-            q = round(vals[block * 32 + i] * inv)
-            q_out[base + block * 32 + i] = max(-128, min(127, int32(q)))
-        d_out[base // 32 + block] = d
+    n_blocks = vals.shape[0] // 32
+    if USE_SHUFFLES:
+        for block in range(tid // 32, n_blocks, cuda.blockDim.x // 32):
+            quantize_q8_0_warp(vals, block, tid % 32, q_out, d_out)
+    else:
+        for block in range(tid, n_blocks, cuda.blockDim.x):
+            quantize_q8_0_serial(vals, block, q_out, d_out)
 
 
 # ---- embedding and hyper-connections --------------------------------------------------------------
@@ -215,24 +273,37 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
         part_dot[row, chunk] = total_dot
 
 
-@cuda.jit(cache=True)
-def hc_mix_finish(part_dot, part_sq, n, eps, mix_out):
-    """mix[row] = (Σ_chunk partial dots) · rsqrt(mean(flat²) + eps) (§6.2). One thread per row."""
-    row = cuda.grid(1)
-    if row < part_dot.shape[0]:
+@cuda.jit(device=True)
+def hc_mix_values(part_dot, part_sq, n, eps, mix):
+    """mix[row] = (Σ_chunk partial dots) · rsqrt(mean(flat²) + eps) (§6.2) into shared memory,
+    then a barrier: the consumers (hc_pre, hc_head) finish the mix themselves instead of a
+    separate launch. On the GPU a warp takes a row, its lanes the chunks (one load each, shuffle
+    sums; at most 32 chunks); in the simulator a thread takes a row."""
+    tid = cuda.threadIdx.x
+    n_rows, n_chunks = part_dot.shape
+    if USE_SHUFFLES:
+        lane = tid % 32
+        sq = warp_sum_f32(part_sq[lane] if lane < n_chunks else float64(0.0))
+        scale = rms_scale(sq, n, eps)
+        for row in range(tid // 32, n_rows, cuda.blockDim.x // 32):
+            dot = warp_sum_f32(part_dot[row, lane] if lane < n_chunks else float32(0.0))
+            if lane == 0:
+                mix[row] = dot * scale
+    elif tid < n_rows:
         sq = float64(0.0)
-        for c in range(part_sq.shape[0]):
+        for c in range(n_chunks):
             sq += part_sq[c]
         dot = float32(0.0)
-        for c in range(part_dot.shape[1]):
-            dot += part_dot[row, c]
-        mix_out[row] = dot * rms_scale(sq, n, eps)
+        for c in range(n_chunks):
+            dot += part_dot[tid, c]
+        mix[tid] = dot * rms_scale(sq, n, eps)
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True)
 def sinkhorn_pass(comb, n_hc, by_row, eps32):
-    """Divide each comb element by its row sum (by_row) or its column sum, + eps; the sums run in
-    index order. Every block thread calls; thread k < n_hc² owns element (k // n_hc, k % n_hc)."""
+    """Simulator path: divide each comb element by its row sum (by_row) or its column sum, + eps;
+    the sums run in index order. Thread k < n_hc² owns element (k // n_hc, k % n_hc)."""
     tid = cuda.threadIdx.x
     i = tid // n_hc
     j = tid - i * n_hc
@@ -249,19 +320,18 @@ def sinkhorn_pass(comb, n_hc, by_row, eps32):
 
 
 @cuda.jit(device=True)
-def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, comb):
-    """pre/post gates and the doubly-normalised comb matrix from the mixer values (§6.2).
-    Called by every thread of the block: thread k < n_hc² owns comb element (k // n_hc, k % n_hc);
-    each pass reads its row or column sum (in index order) from shared memory, then writes."""
+def comb_logit(mix, w32, scale_off, base_off, n_hc, k):
+    return mix[2 * n_hc + k] * w32[scale_off + 2] + w32[base_off + 2 * n_hc + k]
+
+
+@cuda.jit(device=True)
+def sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb):
+    """Simulator path of sinkhorn_comb: the matrix in shared memory, a barrier per pass."""
     tid = cuda.threadIdx.x
     nn = n_hc * n_hc
     i = tid // n_hc
-    eps32 = float32(eps)
-    if tid < n_hc:
-        pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + eps32
-        post[tid] = float32(2.0) * sigmoid(mix[n_hc + tid] * w32[scale_off + 1] + w32[base_off + n_hc + tid])
     if tid < nn:
-        comb[tid] = mix[2 * n_hc + tid] * w32[scale_off + 2] + w32[base_off + 2 * n_hc + tid]
+        comb[tid] = comb_logit(mix, w32, scale_off, base_off, n_hc, tid)
     cuda.syncthreads()
     value = float32(0.0)
     if tid < nn:                                   # softmax over j, + eps
@@ -283,6 +353,55 @@ def sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, eps, pre, post, 
 
 
 @cuda.jit(device=True)
+def sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb):
+    """GPU path of sinkhorn_comb, by warp 0 alone with no barrier: lane k < n_hc² holds element
+    (k // n_hc, k % n_hc) in a register; each row or column sum gathers its n_hc values by
+    shuffles, in index order (the same sums as the shared-memory path)."""
+    lane = cuda.threadIdx.x
+    i = lane // n_hc
+    j = lane - i * n_hc
+    value = comb_logit(mix, w32, scale_off, base_off, n_hc, lane) if lane < n_hc * n_hc else float32(0.0)
+    row_max = float32(NEG_INF)
+    for k in range(n_hc):
+        row_max = max(row_max, cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31)))
+    row_sum = float32(0.0)
+    for k in range(n_hc):
+        row_sum += math.exp(cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31)) - row_max)
+    value = math.exp(value - row_max) / row_sum + eps32
+    for it in range(n_iter):
+        if it > 0:
+            total = float32(0.0)
+            for k in range(n_hc):
+                total += cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31))
+            value = value / (total + eps32)
+        total = float32(0.0)
+        for k in range(n_hc):
+            total += cuda.shfl_sync(0xFFFFFFFF, value, min(k * n_hc + j, 31))
+        value = value / (total + eps32)
+    if lane < n_hc * n_hc:
+        comb[lane] = value
+
+
+@cuda.jit(device=True)
+def sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, eps, post, comb):
+    """The post gates and the doubly-normalised comb matrix from the mixer values (§6.2): row
+    softmax + eps, then column and row normalisations (n_iter column passes). Written to global
+    post/comb for hc_post. All threads of the block call."""
+    tid = cuda.threadIdx.x
+    eps32 = float32(eps)
+    if tid < n_hc:
+        post[tid] = float32(2.0) * sigmoid(mix[n_hc + tid] * w32[scale_off + 1] + w32[base_off + n_hc + tid])
+    if USE_SHUFFLES:
+        if tid < 32:
+            sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb)
+    else:
+        work = cuda.shared.array(256, float32)
+        sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, work)
+        if tid < n_hc * n_hc:
+            comb[tid] = work[tid]
+
+
+@cuda.jit(device=True)
 def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64):
     """x = RMSNorm(Σ_h gates[h]·X[h])·w, and its Q8_0 quantization (every block thread calls):
     the input of a sublayer (HC pre) and of the output head (HC head collapse)."""
@@ -299,25 +418,26 @@ def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64)
     for i in range(tid, n_embd, cuda.blockDim.x):
         x_out[i] = x_out[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
-    quantize_q8_0_block_values(x_out, 0, xq, xd)
+    quantize_q8_0_block_values(x_out, xq, xd)
 
 
 @cuda.jit(cache=True)
-def hc_pre(state, mix, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
+def hc_pre(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
            post_out, comb_out, x_out, xq, xd):
-    """HC reduce for one sublayer (single block): Sinkhorn split, y = Σ pre·X, x = RMSNorm(y)·w,
-    and x quantized to Q8_0 for the projections that read it."""
+    """HC reduce for one sublayer, launched with 2 blocks that run side by side: block 1 computes
+    the post gates and the Sinkhorn comb matrix (needed only by hc_post), block 0 the pre gates,
+    y = Σ pre·X, x = RMSNorm(y)·w and x quantized to Q8_0 for the projections that read it."""
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
+    mix = cuda.shared.array(64, float32)
+    hc_mix_values(part_dot, part_sq, n_hc * n_embd, rms_eps, mix)
+    if cuda.blockIdx.x == 1:
+        sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out, comb_out)
+        return
     pre = cuda.shared.array(16, float32)
-    post = cuda.shared.array(16, float32)
-    comb = cuda.shared.array(256, float32)
     scratch64 = cuda.shared.array(BLOCK, float64)
-    sinkhorn_split(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, pre, post, comb)
     if tid < n_hc:
-        post_out[tid] = post[tid]
-    if tid < n_hc * n_hc:
-        comb_out[tid] = comb[tid]
+        pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
     cuda.syncthreads()
     collapse_norm_q8(state, pre, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
@@ -339,13 +459,15 @@ def hc_post(state, f_a, f_b, post, comb):
 
 
 @cuda.jit(cache=True)
-def hc_head(state, mix, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
+def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
     """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
     z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec."""
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
     gate = cuda.shared.array(16, float32)
     scratch64 = cuda.shared.array(BLOCK, float64)
+    mix = cuda.shared.array(64, float32)
+    hc_mix_values(part_dot, part_sq, n_hc * n_embd, rms_eps, mix)
     if tid < n_hc:
         gate[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
     cuda.syncthreads()
@@ -365,7 +487,7 @@ def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     for i in range(tid, n, cuda.blockDim.x):
         x_out[i] = x[i] * scale * w32[norm_off + i]
     cuda.syncthreads()
-    quantize_q8_0_block_values(x_out, 0, xq, xd)
+    quantize_q8_0_block_values(x_out, xq, xd)
 
 
 # ---- RoPE and the QAT simulations ------------------------------------------------------------------
@@ -388,21 +510,42 @@ def rope_tail(vec, base, n_nope, n_rot, pos, freqs, inverse):
 
 
 @cuda.jit(device=True)
+def qat_round(v, scale, vmax, fp8):
+    """One value through the QAT simulation: v/scale clamped to ±vmax, rounded to the nearest FP8
+    E4M3 (fp8) or FP4 E2M1 value, scaled back."""
+    x = min(max(v / scale, -vmax), vmax)
+    r = fp8_e4m3_round(abs(x)) if fp8 else fp4_e2m1_round(abs(x))
+    return float32((r if x >= 0 else -r) * scale)
+
+
+@cuda.jit(device=True)
 def scaled_block_sim(vec, base, n, block, vmax, amax_floor, fp8, scratch32):
     """The QAT simulations of §6.9 on vec[base:base+n], in blocks (all block threads call, with
-    blockDim >= block): a power-of-two scale 2^ceil(log2(amax/vmax)), the value clamped to ±vmax
-    and rounded to the nearest FP8 E4M3 (fp8=True, block 64, max 448) or FP4 E2M1 (block 32, max 6)
-    value, then scaled back."""
+    blockDim >= block): a power-of-two scale 2^ceil(log2(amax/vmax)) per block, then qat_round
+    (FP8 E4M3 with block 64 and max 448, or FP4 E2M1 with block 32 and max 6). On the GPU each
+    warp takes whole blocks (block/32 values per lane, amax by shuffles), all blocks at once."""
     tid = cuda.threadIdx.x
+    if USE_SHUFFLES:
+        lane = tid % 32
+        per_lane = block // 32
+        for blk in range(tid // 32, n // block, cuda.blockDim.x // 32):
+            first = base + blk * block + lane
+            amax = float32(0.0)
+            for e in range(per_lane):
+                amax = max(amax, abs(vec[first + 32 * e]))
+            amax = max(warp_max_f32(amax), float32(amax_floor))
+            scale = pow2(ceil_log2(amax / vmax))
+            for e in range(per_lane):
+                vec[first + 32 * e] = qat_round(vec[first + 32 * e], scale, vmax, fp8)
+        cuda.syncthreads()
+        return
     for blk in range(n // block):
         v = abs(vec[base + blk * block + tid]) if tid < block else float32(0.0)
         amax = max(block_max_f32(v, scratch32), float32(amax_floor))
         scale = pow2(ceil_log2(amax / vmax))
         if tid < block:
             i = base + blk * block + tid
-            x = min(max(vec[i] / scale, -vmax), vmax)
-            r = fp8_e4m3_round(abs(x)) if fp8 else fp4_e2m1_round(abs(x))
-            vec[i] = float32((r if x >= 0 else -r) * scale)
+            vec[i] = qat_round(vec[i], scale, vmax, fp8)
         cuda.syncthreads()
 
 
@@ -813,9 +956,33 @@ def softplus_sqrt(z):
 
 
 @cuda.jit(device=True)
+def warp_argmax(value, index):
+    """(max value, its lowest index) over the 32 lanes of a warp; every lane gets it."""
+    for offset in (16, 8, 4, 2, 1):
+        other_val = cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+        other_idx = cuda.shfl_xor_sync(0xFFFFFFFF, index, offset)
+        if other_val > value or (other_val == value and other_idx < index):
+            value = other_val
+            index = other_idx
+    return value, index
+
+
+@cuda.jit(device=True)
 def block_argmax(value, index, best_val, best_idx):
     """(max value, its lowest index) over one (value, index) per thread; all threads get it."""
     tid = cuda.threadIdx.x
+    if USE_SHUFFLES:
+        value, index = warp_argmax(value, index)
+        if tid % 32 == 0:
+            best_val[tid // 32] = value
+            best_idx[tid // 32] = index
+        cuda.syncthreads()
+        value, index = best_val[0], best_idx[0]
+        for w in range(1, cuda.blockDim.x // 32):
+            if best_val[w] > value or (best_val[w] == value and best_idx[w] < index):
+                value, index = best_val[w], best_idx[w]
+        cuda.syncthreads()
+        return value, index
     best_val[tid] = value
     best_idx[tid] = index
     cuda.syncthreads()
@@ -859,17 +1026,25 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
             taken[tid] = i32[hash_off + token_buf[0] * n_used + tid]
     else:
         for k in range(n_used):
+            if USE_SHUFFLES and tid >= 32:
+                continue                            # warp 0 alone picks, no barrier per pick
             mine = float32(-3.4e38)
             mine_idx = int32(0x7FFFFFFF)
-            for e in range(tid, n_exp, cuda.blockDim.x):
+            for e in range(tid, n_exp, 32 if USE_SHUFFLES else cuda.blockDim.x):
                 if keys[e] > mine:
                     mine = keys[e]
                     mine_idx = e
-            _, winner = block_argmax(mine, mine_idx, best_val, best_idx)
+            if USE_SHUFFLES:
+                _, winner = warp_argmax(mine, mine_idx)
+            else:
+                _, winner = block_argmax(mine, mine_idx, best_val, best_idx)
             if tid == 0:
                 taken[k] = winner
                 keys[winner] = float32(-3.4e38)
-            cuda.syncthreads()
+            if USE_SHUFFLES:
+                cuda.syncwarp(0xFFFFFFFF)
+            else:
+                cuda.syncthreads()
     cuda.syncthreads()
     if tid == 0:
         total = float32(0.0)
@@ -895,38 +1070,59 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
         u = min(max(up[i], float32(-clamp)), float32(clamp))
         mid[i] = g * sigmoid(g) * u
     cuda.syncthreads()
-    quantize_q8_0_block_values(mid, 0, xq, xd)
+    quantize_q8_0_block_values(mid, xq, xd)
+
+
+def q8_0_grid(n: int) -> int:
+    """Blocks of 256 threads for quantize_q8_0 of n values (a warp per 32 values on the GPU)."""
+    threads = n if USE_SHUFFLES else n // 32
+    return (threads + 255) // 256
 
 
 @cuda.jit(cache=True)
 def quantize_q8_0(x, xq, xd):
-    """Q8_0 of a whole vector (one thread per 32-value block)."""
-    b = cuda.grid(1)
-    if b < x.shape[0] // 32:
-        amax = float32(0.0)
-        for i in range(32):
-            amax = max(amax, abs(x[b * 32 + i]))
-        d = float32(amax / float32(127.0))
-        inv = float32(1.0) / d if d != 0 else float32(0.0)
-        for i in range(32):
-            xq[b * 32 + i] = max(-128, min(127, int32(round(x[b * 32 + i] * inv))))
-        xd[b] = d
+    """Q8_0 of a whole vector: one warp per 32-value block on the GPU (launch x.size threads),
+    one thread per block in the simulator."""
+    t = cuda.grid(1)
+    if USE_SHUFFLES:
+        if t // 32 < x.shape[0] // 32:                 # warp-uniform
+            quantize_q8_0_warp(x, t // 32, t % 32, xq, xd)
+    elif t < x.shape[0] // 32:
+        quantize_q8_0_serial(x, t, xq, xd)
+
+
+ARGMAX_BLOCKS = 128       # blocks of the first argmax pass (enough loads in flight over 129k logits)
 
 
 @cuda.jit(cache=True)
-def argmax(logits, forbid, out_token):
-    """Greedy pick (first maximal index), skipping token forbid[0] (EOS in bench probes; -1 for
-    none). Single block of BLOCK threads."""
+def argmax_partial(logits, forbid, part_val, part_idx):
+    """Greedy pick, first pass: block b finds the first maximal index of its strided share of the
+    logits, skipping token forbid[0] (EOS in bench probes; -1 for none)."""
     tid = cuda.threadIdx.x
     best_val = cuda.shared.array(BLOCK, float32)
     best_idx = cuda.shared.array(BLOCK, int32)
     v = float32(-3.4e38)
     idx = int32(0x7FFFFFFF)
     skip = forbid[0]
-    for i in range(tid, logits.shape[0], cuda.blockDim.x):
+    for i in range(cuda.grid(1), logits.shape[0], cuda.gridsize(1)):
         if logits[i] > v and i != skip:
             v = logits[i]
             idx = i
+    value, winner = block_argmax(v, idx, best_val, best_idx)
+    if tid == 0:
+        part_val[cuda.blockIdx.x] = value
+        part_idx[cuda.blockIdx.x] = winner
+
+
+@cuda.jit(cache=True)
+def argmax_finish(part_val, part_idx, out_token):
+    """Greedy pick, second pass (one block of >= part_val.size threads): the first maximal index
+    over the blocks' winners."""
+    tid = cuda.threadIdx.x
+    best_val = cuda.shared.array(BLOCK, float32)
+    best_idx = cuda.shared.array(BLOCK, int32)
+    v = part_val[tid] if tid < part_val.shape[0] else float32(-3.4e38)
+    idx = part_idx[tid] if tid < part_val.shape[0] else int32(0x7FFFFFFF)
     _, winner = block_argmax(v, idx, best_val, best_idx)
     if tid == 0:
         out_token[0] = winner

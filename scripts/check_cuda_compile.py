@@ -13,10 +13,9 @@ i64 = types.int64; f64 = types.float64; b1 = types.boolean
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a2),
  "hc_mix_partial": (f32a2, f16a, i64, i64, types.float32[:, :], types.float64[::1]),
- "hc_mix_finish": (types.float32[:, :], types.float64[::1], i64, f64, f32a),
- "hc_pre": (f32a2, f32a, f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
+ "hc_pre": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
  "hc_post": (f32a2, f32a, f32a, f32a, f32a),
- "hc_head": (f32a2, f32a, f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),
+ "hc_head": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),
  "rmsnorm_q8": (f32a, f32a, i64, f64, f32a, i8a, f32a),
  "kv_finish": (f32a, f32a, i64, f64, i32a, f32a, i64, f32a2),
  "q_heads": (f32a, i64, i64, f64, i32a, f32a),
@@ -29,7 +28,8 @@ sigs = {
  "route": (f32a, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a, f32a, i64a2),
  "swiglu_q8": (f32a, f32a, f64, f32a, i8a, f32a),
  "quantize_q8_0": (f32a, i8a, f32a),
- "argmax": (f32a, i32a, i32a),
+ "argmax_partial": (f32a, i32a, f32a, i32a),
+ "argmax_finish": (f32a, i32a, i32a),
 }
 bad = 0
 for name, sig in sigs.items():

@@ -54,6 +54,23 @@ class HostQuantKernels:
         out.copy_to_device((w @ _host(x).astype(np.float32)).astype(np.float32))
 
     @staticmethod
+    def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0):
+        HostQuantKernels.matvec_q8_0(arena, off_a, rows_a, K, xq, xd, out[:rows_a])
+        HostQuantKernels.matvec_q8_0(arena, off_b, rows_b, K, xq, xd, out[rows_a:rows_a + rows_b])
+
+    @staticmethod
+    def matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, x, out, stream=0):
+        HostQuantKernels.matvec_f16(arena, off_a, rows_a, K, x, out[:rows_a])
+        HostQuantKernels.matvec_f16(arena, off_b, rows_b, K, x, out[rows_a:rows_a + rows_b])
+
+    @staticmethod
+    def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0):
+        per = rows // n_groups
+        for g in range(n_groups):
+            HostQuantKernels.matvec_q8_0(arena, off + g * per * (K // 32) * 34, per, K, xq[g * K:(g + 1) * K],
+                                         xd[g * K // 32:(g + 1) * K // 32], out[g * per:(g + 1) * per])
+
+    @staticmethod
     def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out, ws, stream=0):
         a = _host(arena)
         offs = _host(slot_offsets)

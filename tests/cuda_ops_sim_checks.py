@@ -46,20 +46,20 @@ def check_hc():
     d_arena = cuda.to_device(arena)
     d_state = cuda.to_device(state)
     mix = cuda.device_array(mix_rows, np.float32)
-    chunk = 64                                     # several chunks per stream
+    chunk = 128                                    # two chunks per stream
     n_chunks = n_hc * n_embd // chunk
     part_dot = cuda.device_array((mix_rows, n_chunks), np.float32)
     part_sq = cuda.device_array(n_chunks, np.float64)
-    ops.hc_mix_partial[(mix_rows, n_chunks), BLOCK](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
-    ops.hc_mix_finish[1, 32](part_dot, part_sq, n_hc * n_embd, 1e-6, mix)
+    ops.hc_mix_partial[(mix_rows, n_chunks), 64](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
     flat = state.reshape(-1).astype(np.float64)
     want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
-    close("hc_mix", mix.copy_to_host(), want_mix, 1e-5)
+    pd, ps = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
+    close("hc_mix partials", pd.sum(1) / np.sqrt(ps.sum() / flat.size + 1e-6), want_mix, 1e-5)
     post, comb = cuda.device_array(n_hc, np.float32), cuda.device_array(n_hc * n_hc, np.float32)
     x, xq, xd = cuda.device_array(n_embd, np.float32), cuda.device_array(n_embd, np.int8), cuda.device_array(n_embd // 32, np.float32)
-    ops.hc_pre[1, BLOCK](d_state, mix, d_arena.view(np.float32), off32, off32 + 3, off32 + 3 + mix_rows,
+    ops.hc_pre[2, BLOCK](d_state, part_dot, part_sq, d_arena.view(np.float32), off32, off32 + 3, off32 + 3 + mix_rows,
                          20, 1e-6, 1e-6, post, comb, x, xq, xd)
-    m = mix.copy_to_host().astype(np.float64)
+    m = want_mix
     pre_w = ref.sigmoid(m[:n_hc] * scale[0] + base[:n_hc]) + 1e-6
     post_w = 2 * ref.sigmoid(m[n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc])
     comb_w = ref.sinkhorn((m[2 * n_hc:] * scale[2] + base[2 * n_hc:]).reshape(n_hc, n_hc), 20, 1e-6)
@@ -222,7 +222,55 @@ def check_compressor():
         close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows)", got, np.array(want_rows), 2e-3)
 
 
+def check_glue():
+    """Q8_0 of a vector (with an all-zero block), RMSNorm + Q8_0, SwiGLU + Q8_0, two-pass argmax."""
+    n = 512
+    x = rng.normal(0, 1, n).astype(np.float32)
+    x[64:96] = 0.0
+    xq, xd = cuda.device_array(n, np.int8), cuda.device_array(n // 32, np.float32)
+    ops.quantize_q8_0[ops.q8_0_grid(n), 256](cuda.to_device(x), xq, xd)
+
+    def dequant():
+        return (xq.copy_to_host().reshape(-1, 32).astype(np.float64) * xd.copy_to_host()[:, None]).reshape(-1)
+    close("quantize_q8_0", dequant(), ref.q8_0_activation(x), 1e-6)
+    norm = (1 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
+    out = cuda.device_array(n, np.float32)
+    ops.rmsnorm_q8[1, BLOCK](cuda.to_device(x), cuda.to_device(norm), 0, 1e-6, out, xq, xd)
+    close("rmsnorm_q8 x", out.copy_to_host(), ref.rms_norm(x.astype(np.float64), norm, 1e-6), 1e-5)
+    close("rmsnorm_q8 q8", dequant(), ref.q8_0_activation(out.copy_to_host()), 1e-6)
+    gate = rng.normal(0, 3, n).astype(np.float32)
+    up = rng.normal(0, 3, n).astype(np.float32)
+    ops.swiglu_q8[1, BLOCK](cuda.to_device(gate), cuda.to_device(up), 2.5, out, xq, xd)
+    g = np.minimum(gate.astype(np.float64), 2.5)
+    want = ref.silu(g) * np.clip(up, -2.5, 2.5)
+    close("swiglu_q8 mid", out.copy_to_host(), want, 1e-5)
+    close("swiglu_q8 q8", dequant(), ref.q8_0_activation(out.copy_to_host()), 1e-6)
+    logits = rng.normal(0, 1, 5000).astype(np.float32)
+    top = int(np.argmax(logits))
+    logits[4321] = logits[top]                     # a tie: the lower index wins
+    n_blocks = ops.ARGMAX_BLOCKS if ops.USE_SHUFFLES else 4      # the simulator is slow per thread
+    part_val = cuda.device_array(n_blocks, np.float32)
+    part_idx = cuda.device_array(n_blocks, np.int32)
+    token = cuda.device_array(1, np.int32)
+    for forbid in (-1, min(top, 4321)):
+        ops.argmax_partial[n_blocks, BLOCK](cuda.to_device(logits), cuda.to_device(np.array([forbid], np.int32)),
+                                                   part_val, part_idx)
+        ops.argmax_finish[1, BLOCK](part_val, part_idx, token)
+        masked = logits.copy()
+        if forbid >= 0:
+            masked[forbid] = -np.inf
+        got, want_tok = int(token.copy_to_host()[0]), int(np.argmax(masked))
+        if got != want_tok:
+            print(f"BAD argmax (forbid {forbid}): {got} != {want_tok}")
+            raise SystemExit(1)
+    print("ok  argmax (ties to the lower index, forbidden token skipped)")
+
+
 if __name__ == "__main__":
+    import time
+    t0 = time.time()
+    check_glue()
+    print(f"   ({time.time() - t0:.0f} s)")
     check_compressor()
     check_hc()
     check_qat_and_rope()

@@ -281,3 +281,40 @@ def test_moe_decode_graph_replay_reads_device_buffers(experts):
         y_graph = out.copy_to_host()
         y_eager, _ = _moe_decode_gpu(ex, x, ids, rw, 10.0)
         assert np.array_equal(y_graph, y_eager)
+
+
+# ------------------------------------------------------------------- fused launches (decode)
+
+def test_pair_and_grouped_launches_match_cpu():
+    """Two matrices in one launch (q_a+kv, shared gate+up, compressor kv+gate) and the grouped
+    output projection (8 groups, each on its own slice of x) against the CPU matvec per part."""
+    rng = _rng(77)
+    for t, (rows_a, rows_b, Kd) in ((F.Q8_0, (1024, 512, 4096)), (F.Q8_0, (37, 100, 96)),
+                                    (F.F16, (1024, 1024, 4096)), (F.F16, (37, 60, 66))):
+        wa, wb = TD.random_weights(t, (rows_a, Kd), rng), TD.random_weights(t, (rows_b, Kd), rng)
+        arena, (off_a, off_b) = _arena([wa, (wb, 2 if t == F.Q8_0 else 0)])     # b at a 2-mod-4 offset
+        x = rng.standard_normal(Kd).astype(np.float32)
+        xq, xd, _, dX = _prepare(t, x[None, :])
+        out = cuda.device_array(rows_a + rows_b, np.float32)
+        if t == F.Q8_0:
+            K.matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, Kd, xq, xd, out)
+        else:
+            K.matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, Kd, dX, out)
+        y = out.copy_to_host()
+        for part, w, rows in ((y[:rows_a], wa, rows_a), (y[rows_a:], wb, rows_b)):
+            _, mag = TD.reference_matvec(w, t, x, np.arange(rows))
+            err = np.abs(part.astype(np.float64) - cpu.matvec(w, t, x))
+            assert np.all(err <= 2 * TD.f32_sum_bound(t, Kd, mag)), f"{F.TYPE_NAMES[t]} pair"
+    n_groups, per, Kd = 8, 1024, 4096
+    w = TD.random_weights(F.Q8_0, (n_groups * per, Kd), rng)
+    arena, (off,) = _arena([w])
+    x = rng.standard_normal(n_groups * Kd).astype(np.float32)
+    xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
+    out = cuda.device_array(n_groups * per, np.float32)
+    K.matvec_q8_0_grouped(arena, off, n_groups * per, Kd, n_groups, xq, xd, out)
+    y = out.copy_to_host()
+    for g in range(n_groups):
+        wg, xg = w[g * per:(g + 1) * per], x[g * Kd:(g + 1) * Kd]
+        _, mag = TD.reference_matvec(wg, F.Q8_0, xg, np.arange(per))
+        err = np.abs(y[g * per:(g + 1) * per].astype(np.float64) - cpu.matvec(wg, F.Q8_0, xg))
+        assert np.all(err <= 2 * TD.f32_sum_bound(F.Q8_0, Kd, mag)), f"group {g}"

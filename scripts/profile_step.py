@@ -1,0 +1,79 @@
+"""Per-kernel device time of one decode step (flash preset, device-resident), for ncu.
+
+Run under Nsight Compute with the profiler range off at start:
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+        python3 scripts/profile_step.py > ncu.csv
+then `python3 scripts/profile_step.py --summarize ncu.csv` sums the time per kernel name.
+Only the step between cuda.profile_start() and cuda.profile_stop() is profiled (graph nodes are
+profiled one by one, so per-kernel times exclude the graph's launch gaps).
+"""
+
+import argparse
+import collections
+import csv
+import os
+import re
+import sys
+
+
+def run(model_path: str, n_prompt: int) -> None:
+    from numba import cuda
+
+    from ds4py import synth
+    from ds4py.engine import open_engine
+    from ds4py.io.spec import open_model
+    from ds4py.options import WeightOptions
+    from ds4py.tokenizer import Tokenizer
+
+    if not os.path.exists(model_path):
+        synth.build_model(model_path, "flash", "per-role", 0)
+    model = open_model(model_path)
+    loaded = open_engine(model, WeightOptions(n_ctx=4096), progress=False)
+    engine = loaded.engine
+    tok = Tokenizer.from_gguf(model.file)
+    ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:20_000])
+    engine.prefill(ids[:n_prompt])
+    engine.decode_greedy(ids[n_prompt])           # graph captured and warm
+    cuda.synchronize()
+    cuda.profile_start()
+    engine.decode_greedy(ids[n_prompt + 1])
+    cuda.synchronize()
+    cuda.profile_stop()
+    print("profiled one step at position", engine.n_past - 1, file=sys.stderr)
+
+
+def kernel_name(full: str) -> str:
+    """`cudapy::ds4py::kernels::cuda_ops::hc_post[abi:...](...)` -> `cuda_ops.hc_post`."""
+    m = re.search(r"kernels::(\w+)::(\w+)", full)
+    return f"{m.group(1)}.{m.group(2)}" if m else full.split("(")[0][:60]
+
+
+def summarize(path: str) -> None:
+    lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    total, count = collections.Counter(), collections.Counter()
+    for row in csv.DictReader(lines[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        value = float(row["Metric Value"].replace(",", ""))
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", "usecond"), 1.0)
+        name = kernel_name(row["Kernel Name"])
+        total[name] += value * scale
+        count[name] += 1
+    all_us = sum(total.values())
+    print(f"{sum(count.values())} kernels, {all_us / 1e3:.2f} ms of kernel time in one step")
+    print(f"{'kernel':40s} {'launches':>8s} {'total us':>10s} {'mean us':>8s} {'share':>6s}")
+    for name, us in total.most_common():
+        print(f"{name:40s} {count[name]:8d} {us:10.1f} {us / count[name]:8.2f} {us / all_us:6.1%}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/flash.gguf")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--summarize")
+    args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        run(args.model, args.prompt)
