@@ -43,9 +43,13 @@ def run(model_path: str, n_prompt: int) -> None:
 
 
 def kernel_name(full: str) -> str:
-    """`cudapy::ds4py::kernels::cuda_ops::hc_post[abi:...](...)` -> `cuda_ops.hc_post`."""
-    m = re.search(r"kernels::(\w+)::(\w+)", full)
-    return f"{m.group(1)}.{m.group(2)}" if m else full.split("(")[0][:60]
+    """`cuda_ops::hc_post[v37,cw51...](...)` -> `cuda_ops.hc_post`; closures built per shape keep
+    their specialisation number: `_q8_0_kernel.q8_0_rows#v8`."""
+    m = re.search(r"(\w+)::(\w+)\[v(\d+)", full)
+    if not m:
+        return full.split("(")[0][:60]
+    name = f"{m.group(1)}.{m.group(2)}"
+    return name + f"#v{m.group(3)}" if m.group(1).startswith("_") else name
 
 
 def summarize(path: str) -> None:
@@ -56,7 +60,10 @@ def summarize(path: str) -> None:
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
         value = float(row["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", "usecond"), 1.0)
+        unit = row.get("Metric Unit", "ns")
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit)
+        if scale is None:
+            raise SystemExit(f"unknown time unit {unit!r} in {path}")
         name = kernel_name(row["Kernel Name"])
         total[name] += value * scale
         count[name] += 1

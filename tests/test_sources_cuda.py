@@ -107,15 +107,21 @@ def test_vram_taken_by_someone_else_falls_back_to_host_mapped(tiny):
     import gc
     gc.collect()                 # arrays other test modules dropped: free them before measuring
     gpu.release_deferred()
-    filler = None
-    for margin in (48, 64, 96):                           # leave less than the tiny model's 115 MB
-        free, _total = gpu.mem_info()
-        try:
-            filler = gpu.device_bytes(free - (margin << 20))
-            break
-        except gpu.CudaCallError:
-            gpu.release_deferred()
-    assert filler is not None
+    # Take the VRAM in shrinking chunks until nothing more fits (numba clears its deferred frees
+    # and retries before it reports an OOM), then hand back 48 MB: less than the tiny model's
+    # 115 MB arena, so the device copy must fail however much memory was in use before.
+    filler = []
+    for size in (1 << 30, 64 << 20, 8 << 20):
+        while True:
+            try:
+                filler.append(gpu.device_bytes(size))
+            except gpu.CudaCallError:
+                break
+    assert filler, "could not allocate any VRAM"
+    handed_back = 0
+    while handed_back < (40 << 20) and len(filler) > 1:   # the smallest chunks are last
+        handed_back += filler.pop().size
+    gpu.release_deferred()
     lines = []
     try:
         src = sources.DeviceSource(tiny, **quiet(log=lines.append))

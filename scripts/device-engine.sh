@@ -1,0 +1,30 @@
+#!/bin/bash
+# On the GPU machine: GPU tests, the engine benchmark, a per-kernel ncu profile of one decode step
+# and (optional) the ncu MoE/Q8_0 kernel profile. Everything lands in $OUT (8 files at most).
+# usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [moe] -- [bench args]
+source scripts/device-prelude.sh || exit 1
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+parts=" $* "
+bench_args=${BENCH_ARGS:---frontiers 2048 --gen 32 --budget-s 0 --skip-cpu}
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+if [[ $parts == *" tests "* ]]; then
+  timeout ${TESTS_S:-240} python3 -m pytest -m gpu -q -p no:warnings -rA ${TESTS:-} > $OUT/gpu_tests.log 2>&1
+  grep -E "passed|failed|FAILED|ERROR" $OUT/gpu_tests.log | tail -8
+fi
+if [[ $parts == *" bench "* ]]; then
+  timeout ${BENCH_S:-300} python3 scripts/gpu_engine_bench.py --out $OUT $bench_args > $OUT/bench.log 2>&1
+  grep -E "ceiling|profile|bench:|tok/s|page-cache|stream|done" $OUT/bench.log | tail -14
+fi
+if [[ $parts == *" kernels "* ]]; then
+  timeout ${KERNELS_S:-150} $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 scripts/profile_step.py > $OUT/ncu_step.csv 2> /tmp/ncu.err
+  { tail -3 /tmp/ncu.err; python3 scripts/profile_step.py --summarize $OUT/ncu_step.csv; } > $OUT/kernels.txt 2>&1
+  head -40 $OUT/kernels.txt
+fi
+if [[ $parts == *" moe "* ]]; then
+  timeout ${MOE_S:-150} $NCU --clock-control none --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters -k 'regex:moe_' \
+    --launch-skip 6 --launch-count 4 \
+    python3 -c "from ds4py.kernels.bench import profile_target; profile_target()" > $OUT/ncu_moe.txt 2>&1
+  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|Achieved Occupancy|Registers|Warp Cycles|Eligible|Stall|Theoretical Occ" $OUT/ncu_moe.txt | head -60
+fi
