@@ -26,6 +26,8 @@ from numba.cuda import config as numba_config
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
+WIDE = 1024              # threads of the single-block vector kernels on the GPU (4 values each at
+                         # n_embd 4096: their time is a chain of load latencies, so more threads)
 MAX_ROWS = 4096          # attention rows one head can score in shared memory
 MAX_SCORE_ROWS = 16384   # indexer rows the top-k selection handles in one block
 NEG_INF = -1e30
@@ -35,6 +37,18 @@ FP4_MAX = 6.0
 
 # Warp shuffles exist on the GPU only; the simulator takes the shared-memory paths instead.
 USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
+
+
+# WIDE-thread kernels must fit 1024 threads in the register file (64 registers each at most);
+# the simulator has no register limit to set.
+wide_jit = cuda.jit(cache=True) if numba_config.ENABLE_CUDASIM else cuda.jit(cache=True, max_registers=64)
+
+
+def wide_block() -> int:
+    """Threads for the single-block vector kernels (hc_pre, hc_head, rmsnorm_q8, swiglu_q8,
+    kv_finish): WIDE on the GPU, where their reductions use one scratch slot per warp; BLOCK in
+    the simulator, whose shared-memory reductions use one slot per thread."""
+    return WIDE if USE_SHUFFLES else BLOCK
 
 
 # ---- block-level helpers (device functions) -----------------------------------------------------
@@ -235,42 +249,107 @@ def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
             state[h, i] = value
 
 
-HC_CHUNK = 1024          # most elements of the flattened HC state per hc_mix_partial block
+HC_COLS = 256            # state columns per mixer block (one per thread, all n_hc streams)
+MIX_ROWS = 8             # mixer rows per hc_post_mix block
 
 
-def hc_chunk(n_embd: int) -> int:
-    """Chunk length dividing n_embd, so that a chunk never straddles two streams."""
-    return min(HC_CHUNK, n_embd)
+def hc_cols(n_embd: int) -> int:
+    """Columns per mixer block: the chunk c of the partial dots covers columns
+    [c·hc_cols, (c+1)·hc_cols) of every stream."""
+    return min(HC_COLS, BLOCK, n_embd)          # the simulator's reductions need <= BLOCK threads
+
+
+@cuda.jit(device=True)
+def mixer_dot(w16, fn_off, row, n_hc, n_embd, d, values):
+    """Σ_h fn[row, h·n_embd + d] · values[h]: one column's share of a mixer row's dot."""
+    dot = float32(0.0)
+    for h in range(n_hc):
+        dot += float32(w16[fn_off + (row * n_hc + h) * n_embd + d]) * values[h]
+    return dot
+
+
+@cuda.jit(device=True)
+def column_sumsq(values, n_hc):
+    sq = float64(0.0)
+    for h in range(n_hc):
+        sq += float64(values[h]) * float64(values[h])
+    return sq
 
 
 @cuda.jit(cache=True)
-def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
-    """Partial mixer dots over one chunk of the flattened state: block (row, chunk). Chunks never
-    straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks also
-    write the chunk's Σx² (in double) for the RMS scale."""
+def hc_mix_partial(state, w16, fn_off, part_dot, part_sq):
+    """Partial mixer dots (§6.2) over one column chunk of the state: block (row, chunk), a thread
+    per column. Row-0 blocks also write the chunk's Σx² (in double) for the RMS scale. Used for the
+    first sublayer; later ones get their partials from hc_post_mix."""
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
-    start = chunk * chunk_len
-    stream = start // n_embd
-    d0 = start - stream * n_embd
-    base = fn_off + row * n_hc * n_embd + start
+    d = chunk * cuda.blockDim.x + tid
     scratch64 = cuda.shared.array(BLOCK, float64)
     scratch32 = cuda.shared.array(BLOCK, float32)
-    sumsq = float64(0.0)
-    dot = float32(0.0)
-    for j in range(tid, chunk_len, cuda.blockDim.x):
-        v = state[stream, d0 + j]
-        dot += float32(w16[base + j]) * v
-        sumsq += float64(v) * float64(v)
-    total_dot = block_sum(dot, scratch32)
+    values = cuda.local.array(16, float32)
+    for h in range(n_hc):
+        values[h] = state[h, d]
+    total_dot = block_sum(mixer_dot(w16, fn_off, row, n_hc, n_embd, d, values), scratch32)
     if row == 0:
-        total_sq = block_sum(sumsq, scratch64)
+        total_sq = block_sum(column_sumsq(values, n_hc), scratch64)
         if tid == 0:
             part_sq[chunk] = total_sq
     if tid == 0:
         part_dot[row, chunk] = total_dot
+
+
+@cuda.jit(cache=True)
+def hc_post_mix(state_in, state_out, f_a, f_b, post, comb, w16, fn_off, n_rows, part_dot, part_sq):
+    """HC post (§6.3) fused with the next mixer's partial dots. Block (chunk, group) computes the
+    new state X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] of its columns (a thread per
+    column, all streams), then the partial dots of mixer rows group·MIX_ROWS.. over them; group-0
+    blocks write the new state and the chunk's Σx². The state is double-buffered (in -> out): all
+    groups of a chunk read the old values of the same columns. f_b may be a zero vector."""
+    chunk = cuda.blockIdx.x
+    group = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    n_hc, n_embd = state_in.shape
+    d = chunk * cuda.blockDim.x + tid
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    partial = cuda.shared.array((MIX_ROWS, 32), float32)
+    old = cuda.local.array(16, float32)
+    new = cuda.local.array(16, float32)
+    f = f_a[d] + f_b[d]
+    for i in range(n_hc):
+        old[i] = state_in[i, d]
+    for j in range(n_hc):
+        acc = post[j] * f
+        for i in range(n_hc):
+            acc += comb[i * n_hc + j] * old[i]
+        new[j] = acc
+    if group == 0:                                   # block-uniform
+        for j in range(n_hc):
+            state_out[j, d] = new[j]
+        total_sq = block_sum(column_sumsq(new, n_hc), scratch64)
+        if tid == 0:
+            part_sq[chunk] = total_sq
+    row0 = group * MIX_ROWS
+    for k in range(MIX_ROWS):
+        row = row0 + k
+        dot = mixer_dot(w16, fn_off, row, n_hc, n_embd, d, new) if row < n_rows else float32(0.0)
+        if USE_SHUFFLES:
+            dot = warp_sum_f32(dot)
+            if tid % 32 == 0:
+                partial[k, tid // 32] = dot
+        else:
+            dot = block_sum(dot, scratch32)
+            if tid == 0:
+                partial[k, 0] = dot
+    cuda.syncthreads()
+    if tid < MIX_ROWS and row0 + tid < n_rows:
+        total = partial[tid, 0]
+        if USE_SHUFFLES:
+            for w in range(1, cuda.blockDim.x // 32):
+                total += partial[tid, w]
+        part_dot[row0 + tid, chunk] = total
 
 
 @cuda.jit(device=True)
@@ -421,7 +500,7 @@ def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64)
     quantize_q8_0_block_values(x_out, xq, xd)
 
 
-@cuda.jit(cache=True)
+@wide_jit
 def hc_pre(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
            post_out, comb_out, x_out, xq, xd):
     """HC reduce for one sublayer, launched with 2 blocks that run side by side: block 1 computes
@@ -442,23 +521,7 @@ def hc_pre(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, n_iter,
     collapse_norm_q8(state, pre, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
 
-@cuda.jit(cache=True)
-def hc_post(state, f_a, f_b, post, comb):
-    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3); f_b may be a zero vector."""
-    n_hc, n_embd = state.shape
-    old = cuda.local.array(16, float32)
-    for d in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
-        f = f_a[d] + f_b[d]
-        for i in range(n_hc):
-            old[i] = state[i, d]
-        for j in range(n_hc):
-            acc = post[j] * f
-            for i in range(n_hc):
-                acc += comb[i * n_hc + j] * old[i]
-            state[j, d] = acc
-
-
-@cuda.jit(cache=True)
+@wide_jit
 def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
     """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
     z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec."""
@@ -474,7 +537,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
     collapse_norm_q8(state, gate, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
 
-@cuda.jit(cache=True)
+@wide_jit
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization (single block)."""
     tid = cuda.threadIdx.x
@@ -577,7 +640,7 @@ def hadamard_fp4(vec, base, n, scratch32):
     scaled_block_sim(vec, base, n, 32, FP4_MAX, 7.052966104933725e-38, False, scratch32)
 
 
-@cuda.jit(cache=True)
+@wide_jit
 def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
     pushed into the raw ring at pos mod capacity. Single block."""
@@ -1060,7 +1123,7 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
             slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[5]
 
 
-@cuda.jit(cache=True)
+@wide_jit
 def swiglu_q8(gate, up, clamp, mid, xq, xd):
     """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0 (single block)."""
     tid = cuda.threadIdx.x

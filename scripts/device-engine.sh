@@ -22,9 +22,10 @@ if [[ $parts == *" kernels "* ]]; then
   head -40 $OUT/kernels.txt
 fi
 if [[ $parts == *" moe "* ]]; then
-  timeout ${MOE_S:-150} $NCU --clock-control none --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters -k 'regex:moe_' \
-    --launch-skip 6 --launch-count 4 \
-    python3 -c "from ds4py.kernels.bench import profile_target; profile_target()" > $OUT/ncu_moe.txt 2>&1
-  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|Achieved Occupancy|Registers|Warp Cycles|Eligible|Stall|Theoretical Occ" $OUT/ncu_moe.txt | head -60
+  # counters of the routed-expert kernels (and one Q8_0 projection) inside a real decode step
+  timeout ${MOE_S:-180} $NCU --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+    -k 'regex:moe_|q8_0_rows' --launch-count 6 \
+    python3 scripts/profile_step.py > $OUT/ncu_moe.txt 2>&1
+  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ" $OUT/ncu_moe.txt | head -60
 fi
