@@ -91,8 +91,7 @@ class Scratch:
         d = cuda.device_array
         s = spec
         q_dim = s.n_head * s.head_dim
-        # the HC state, double-buffered: hc_post_mix reads one and writes the other
-        self.states = (d((s.n_hc, s.n_embd), f32), d((s.n_hc, s.n_embd), f32))
+        self.state = d((s.n_hc, s.n_embd), f32)
         self.hc_cols = ops.hc_cols(s.n_embd)
         n_chunks = s.n_embd // self.hc_cols
         assert s.n_embd % self.hc_cols == 0 and n_chunks <= 32, \
@@ -170,7 +169,6 @@ class CudaEngine:
         self.expert_bases = [cuda.to_device(np.asarray(tuple(source.expert_base(il)), dtype=np.int64))
                              if self.experts_resident else None for il in range(s.n_layer)]
         self._n_past = 0
-        self._cur = 0                  # which of the two HC state buffers holds the state now
         self._forbid = -1
         self.skip: set[str] = set()
         self._graphs = None
@@ -248,17 +246,11 @@ class CudaEngine:
         self._matvec(name_a, x_f32, xq, xd, out[:rows_a])
         self._matvec(name_b, x_f32, xq, xd, out[rows_a:rows_a + rows_b])
 
-    @property
-    def state(self):
-        return self.buf.states[self._cur]
-
     def _hc_pre(self, prefix: str, sub: str, norm_name: str):
-        """Sublayer input from the HC state; the mixer partials come from the previous
-        hc_post_mix, except for the first sublayer."""
+        """Sublayer input from the HC state: the mixer's partial dots, then hc_pre."""
         s, b, st = self.spec, self.buf, self.stream
-        if prefix == "blk.0." and sub == "attn":
-            self._hc_mix(self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
-        ops.hc_pre[2, ops.wide_block(), st](self.state, b.part_dot[:s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
+        self._hc_mix(self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
+        ops.hc_pre[2, ops.wide_block(), st](b.state, b.part_dot[:s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
                                  self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
                                  s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
@@ -267,19 +259,8 @@ class CudaEngine:
         (hc_pre, hc_head) adds the partials."""
         b, st = self.buf, self.stream
         n_chunks = b.part_dot.shape[1]
-        ops.hc_mix_partial[(n_rows, n_chunks), b.hc_cols, st](self.state, self.w16, fn_off16,
+        ops.hc_mix_partial[(n_rows, n_chunks), b.hc_cols, st](b.state, self.w16, fn_off16,
                                                               b.part_dot[:n_rows], b.part_sq)
-
-    def _hc_post_mix(self, f_a, f_b, next_fn: str, n_rows: int):
-        """HC post into the other state buffer, with the next mixer's partial dots (next_fn: the
-        next sublayer's hc_*_fn or output_hc_fn, n_rows of it)."""
-        b, st = self.buf, self.stream
-        n_chunks = b.part_dot.shape[1]
-        groups = (n_rows + ops.MIX_ROWS - 1) // ops.MIX_ROWS
-        ops.hc_post_mix[(n_chunks, groups), b.hc_cols, st](
-            self.state, b.states[1 - self._cur], f_a, f_b, b.post, b.comb, self.w16, self.off16(next_fn), n_rows,
-            b.part_dot[:n_rows], b.part_sq)
-        self._cur = 1 - self._cur
 
     def _attention(self, il: int):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
@@ -309,17 +290,17 @@ class CudaEngine:
         if self._on("attn_out"):
             self._attn_out(il)
         if self._on("hc"):
-            self._hc_post_mix(b.f_attn, b.zeros, f"{p}hc_ffn_fn.weight", s.hc_mix)
+            ops.hc_post[16, BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
 
     def _attn_proj(self, il: int, freqs):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
         p = f"blk.{il}."
         self._matvec_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv)
-        ops.rmsnorm_q8[1, ops.wide_block(), st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
+        ops.rmsnorm_q8[1, BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
                                      b.qrn, b.qrn_q, b.qrn_d)
         self._matvec(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q)
         ops.q_heads[s.n_head, BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
-        ops.kv_finish[1, ops.wide_block(), st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
+        ops.kv_finish[1, BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
                                     b.pos, freqs, s.n_rot, layer.raw)
 
     def _indexer(self, il: int, freqs):
@@ -405,13 +386,12 @@ class CudaEngine:
             ops.swiglu_q8[1, ops.wide_block(), st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
             self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
         if self._on("hc"):
-            last = il + 1 == s.n_layer
-            self._hc_post_mix(b.moe_out, b.sh_out, "output_hc_fn.weight" if last else f"blk.{il + 1}.hc_attn_fn.weight",
-                              s.n_hc if last else s.hc_mix)
+            ops.hc_post[16, BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
 
     def _head(self):
         s, b, st = self.spec, self.buf, self.stream
-        ops.hc_head[1, ops.wide_block(), st](self.state, b.part_dot[:s.n_hc], b.part_sq, self.w32, self.off32("output_hc_scale.weight"),
+        self._hc_mix(self.off16("output_hc_fn.weight"), s.n_hc)
+        ops.hc_head[1, ops.wide_block(), st](b.state, b.part_dot[:s.n_hc], b.part_sq, self.w32, self.off32("output_hc_scale.weight"),
                                   self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
                                   s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
         self._matvec("output.weight", None, b.xq, b.xd, b.logits)
@@ -425,9 +405,8 @@ class CudaEngine:
         segments = []
 
         def first():
-            self._cur = 0
             ops.embed[16, BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
-                                     s.n_hc, self.state)
+                                     s.n_hc, b.state)
             self._attention(0)
             self._ffn_route(0)
         segments.append(first)

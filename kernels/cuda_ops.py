@@ -45,9 +45,10 @@ wide_jit = cuda.jit(cache=True) if numba_config.ENABLE_CUDASIM else cuda.jit(cac
 
 
 def wide_block() -> int:
-    """Threads for the single-block vector kernels (hc_pre, hc_head, rmsnorm_q8, swiglu_q8,
-    kv_finish): WIDE on the GPU, where their reductions use one scratch slot per warp; BLOCK in
-    the simulator, whose shared-memory reductions use one slot per thread."""
+    """Threads for the single-block kernels over n_embd / n_ff values (hc_pre, hc_head,
+    swiglu_q8; measured: hc_pre 32 -> 17 us, while kv_finish and rmsnorm_q8 on 512 / 1024 values
+    got slower and keep BLOCK): WIDE on the GPU, where their reductions use one scratch slot per
+    warp; BLOCK in the simulator, whose shared-memory reductions use one slot per thread."""
     return WIDE if USE_SHUFFLES else BLOCK
 
 
@@ -250,7 +251,6 @@ def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
 
 
 HC_COLS = 256            # state columns per mixer block (one per thread, all n_hc streams)
-MIX_ROWS = 8             # mixer rows per hc_post_mix block
 
 
 def hc_cols(n_embd: int) -> int:
@@ -279,8 +279,8 @@ def column_sumsq(values, n_hc):
 @cuda.jit(cache=True)
 def hc_mix_partial(state, w16, fn_off, part_dot, part_sq):
     """Partial mixer dots (§6.2) over one column chunk of the state: block (row, chunk), a thread
-    per column. Row-0 blocks also write the chunk's Σx² (in double) for the RMS scale. Used for the
-    first sublayer; later ones get their partials from hc_post_mix."""
+    per column. Row-0 blocks also write the chunk's Σx² (in double) for the RMS scale; hc_pre and
+    hc_head add the chunk partials."""
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -301,55 +301,21 @@ def hc_mix_partial(state, w16, fn_off, part_dot, part_sq):
 
 
 @cuda.jit(cache=True)
-def hc_post_mix(state_in, state_out, f_a, f_b, post, comb, w16, fn_off, n_rows, part_dot, part_sq):
-    """HC post (§6.3) fused with the next mixer's partial dots. Block (chunk, group) computes the
-    new state X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] of its columns (a thread per
-    column, all streams), then the partial dots of mixer rows group·MIX_ROWS.. over them; group-0
-    blocks write the new state and the chunk's Σx². The state is double-buffered (in -> out): all
-    groups of a chunk read the old values of the same columns. f_b may be a zero vector."""
-    chunk = cuda.blockIdx.x
-    group = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    n_hc, n_embd = state_in.shape
-    d = chunk * cuda.blockDim.x + tid
-    scratch64 = cuda.shared.array(BLOCK, float64)
-    scratch32 = cuda.shared.array(BLOCK, float32)
-    partial = cuda.shared.array((MIX_ROWS, 32), float32)
+def hc_post(state, f_a, f_b, post, comb):
+    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be a zero
+    vector. (Fusing it with the next mixer's partial dots was tried: 17 us per launch against
+    5.5 + 6 for the two kernels, measured with ncu on the H200.)"""
+    n_hc, n_embd = state.shape
     old = cuda.local.array(16, float32)
-    new = cuda.local.array(16, float32)
-    f = f_a[d] + f_b[d]
-    for i in range(n_hc):
-        old[i] = state_in[i, d]
-    for j in range(n_hc):
-        acc = post[j] * f
+    for d in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
+        f = f_a[d] + f_b[d]
         for i in range(n_hc):
-            acc += comb[i * n_hc + j] * old[i]
-        new[j] = acc
-    if group == 0:                                   # block-uniform
+            old[i] = state[i, d]
         for j in range(n_hc):
-            state_out[j, d] = new[j]
-        total_sq = block_sum(column_sumsq(new, n_hc), scratch64)
-        if tid == 0:
-            part_sq[chunk] = total_sq
-    row0 = group * MIX_ROWS
-    for k in range(MIX_ROWS):
-        row = row0 + k
-        dot = mixer_dot(w16, fn_off, row, n_hc, n_embd, d, new) if row < n_rows else float32(0.0)
-        if USE_SHUFFLES:
-            dot = warp_sum_f32(dot)
-            if tid % 32 == 0:
-                partial[k, tid // 32] = dot
-        else:
-            dot = block_sum(dot, scratch32)
-            if tid == 0:
-                partial[k, 0] = dot
-    cuda.syncthreads()
-    if tid < MIX_ROWS and row0 + tid < n_rows:
-        total = partial[tid, 0]
-        if USE_SHUFFLES:
-            for w in range(1, cuda.blockDim.x // 32):
-                total += partial[tid, w]
-        part_dot[row0 + tid, chunk] = total
+            acc = post[j] * f
+            for i in range(n_hc):
+                acc += comb[i * n_hc + j] * old[i]
+            state[j, d] = acc
 
 
 @cuda.jit(device=True)
@@ -537,7 +503,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
     collapse_norm_q8(state, gate, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
 
 
-@wide_jit
+@cuda.jit(cache=True)
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization (single block)."""
     tid = cuda.threadIdx.x
@@ -640,7 +606,7 @@ def hadamard_fp4(vec, base, n, scratch32):
     scaled_block_sim(vec, base, n, 32, FP4_MAX, 7.052966104933725e-38, False, scratch32)
 
 
-@wide_jit
+@cuda.jit(cache=True)
 def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
     pushed into the raw ring at pos mod capacity. Single block."""

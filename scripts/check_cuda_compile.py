@@ -14,7 +14,7 @@ sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a2),
  "hc_mix_partial": (f32a2, f16a, i64, types.float32[:, :], types.float64[::1]),
  "hc_pre": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
- "hc_post_mix": (f32a2, f32a2, f32a, f32a, f32a, f32a, f16a, i64, i64, types.float32[:, :], types.float64[::1]),
+ "hc_post": (f32a2, f32a, f32a, f32a, f32a),
  "hc_head": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),
  "rmsnorm_q8": (f32a, f32a, i64, f64, f32a, i8a, f32a),
  "kv_finish": (f32a, f32a, i64, f64, i32a, f32a, i64, f32a2),

@@ -56,10 +56,8 @@ def check_hc():
         close("Σx² partials", ps.sum(), np.sum(flat ** 2), 1e-6)
         return pd.sum(1) / np.sqrt(ps.sum() / flat.size + 1e-6)
 
-    def want_mix_of(flat, rows):
-        return fn[:rows].astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
     flat = state.reshape(-1).astype(np.float64)
-    want_mix = want_mix_of(flat, mix_rows)
+    want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
     close("hc_mix partials", mix_of(part_dot, part_sq, flat), want_mix, 1e-5)
     post, comb = cuda.device_array(n_hc, np.float32), cuda.device_array(n_hc * n_hc, np.float32)
     x, xq, xd = cuda.device_array(n_embd, np.float32), cuda.device_array(n_embd, np.int8), cuda.device_array(n_embd // 32, np.float32)
@@ -75,20 +73,13 @@ def check_hc():
     close("hc_pre x", x.copy_to_host(), ref.rms_norm(y, norm, 1e-6), 1e-5)
     q, d = xq.copy_to_host(), xd.copy_to_host()
     close("q8_0 of x", (q.reshape(-1, 32) * d[:, None]).reshape(-1), ref.q8_0_activation(x.copy_to_host()), 1e-6)
-    # hc_post_mix: X_new[j] = post[j] (f_a + f_b) + Σ_i C[i][j] X_old[i], and the next mixer's
-    # partials over X_new (all rows: 3 row groups; and the head's n_hc rows: 1 group)
+    # hc_post: X_new[j] = post[j] (f_a + f_b) + Σ_i C[i][j] X_old[i], in place
     f_a = rng.normal(0, 1, n_embd).astype(np.float32)
     f_b = rng.normal(0, 1, n_embd).astype(np.float32)
     want = ref.hc_post((f_a + f_b).astype(np.float64), state.astype(np.float64), post.copy_to_host(),
                        comb.copy_to_host().reshape(n_hc, n_hc))
-    for rows in (mix_rows, n_hc):
-        new_state = cuda.device_array((n_hc, n_embd), np.float32)
-        groups = (rows + ops.MIX_ROWS - 1) // ops.MIX_ROWS
-        ops.hc_post_mix[(n_chunks, groups), cols](d_state, new_state, cuda.to_device(f_a), cuda.to_device(f_b), post, comb,
-                                                 d_arena.view(np.float16), 0, rows, part_dot[:rows], part_sq)
-        close("hc_post_mix state", new_state.copy_to_host(), want, 1e-5)
-        close(f"hc_post_mix partials ({rows} rows)", mix_of(part_dot[:rows], part_sq, want.reshape(-1)),
-              want_mix_of(want.reshape(-1), rows), 1e-5)
+    ops.hc_post[4, 64](d_state, cuda.to_device(f_a), cuda.to_device(f_b), post, comb)
+    close("hc_post", d_state.copy_to_host(), want, 1e-5)
 
 
 def check_qat_and_rope():
