@@ -148,11 +148,9 @@ class CudaEngine:
         s = self.spec
         self.n_ctx = n_ctx
         most_rows = s.n_swa + max([n_ctx // r for r in s.compress_ratios if r > 4] + [s.idx_topk])
-        if most_rows > ops.ATTN_MAX_ROWS:
+        if most_rows > ops.MAX_ROWS * ops.ATTN_SPLITS:
             raise Ds4Error(f"--ctx {n_ctx} gives up to {most_rows} attention rows per head; the GPU attention "
-                           f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
-        if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 2:
-            raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles even sizes up to {ops.ATTN_MAX_DIM}")
+                           f"kernel handles {ops.MAX_ROWS * ops.ATTN_SPLITS}: lower --ctx")
         self.stream = cuda.stream()
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
@@ -277,14 +275,10 @@ class CudaEngine:
         if ratio == 4 and self._on("index"):
             self._indexer(il, freqs)
         if self._on("attention"):
-            # head groups x row ranges (fixed for the graph; ranges past the visible rows write neutral
-            # partials), then (head, 2*COMBINE_THREADS dims) blocks for the merge
-            groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
-            ops.attention_partial[(groups, ops.ATTN_SPLITS), ops.ATTN_THREADS, st](
+            ops.attention_partial[(s.n_head, ops.ATTN_SPLITS), BLOCK, st](
                 b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                 s.n_swa, ratio, ratio == 4, s.head_dim, b.part_max, b.part_den, b.part_acc)
-            dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
-            ops.attention_combine[(s.n_head, dim_blocks), ops.COMBINE_THREADS, st](
+            ops.attention_combine[s.n_head, BLOCK, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                 s.head_dim, s.n_rot, freqs, b.attn)
         if self._on("attn_out"):

@@ -39,7 +39,7 @@ def main():
         results["build"] = dict(info, seconds=time.time() - t0)
         log("built", results["build"])
 
-    from ds4py.bench import copy_ceiling, frontiers, run_bench, weight_bytes_per_token
+    from ds4py.bench import CSV_HEADER, copy_ceiling, frontiers, run_bench, weight_bytes_per_token
     from ds4py.forward_cuda import CudaEngine
     from ds4py.io import sources
     from ds4py.io.spec import open_model
@@ -94,16 +94,17 @@ def main():
     log("profile (ms per step, by group):", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in prof.items()}))
 
     rows = []
+    csv_path = os.path.join(args.out, "bench.csv")
+    with open(csv_path, "w") as f:
+        f.write(CSV_HEADER + "\n")
 
-    def on_row(r):
+    def on_row(r):                     # each row lands in the CSV at once: a cut-off run keeps them
         rows.append(r)
+        with open(csv_path, "a") as f:
+            f.write(r.csv() + "\n")
         log("bench:", r.csv(), f"({r.gen_steady_tps / (ceiling / bpt):.1%} of roofline)")
     run_bench(engine, ids, tok.eos_id, points, args.gen, on_row=on_row)
     results["h2d_request_bytes_after_load"] = source.counters.h2d_request_bytes - h2d_before
-    with open(os.path.join(args.out, "bench.csv"), "w") as f:
-        f.write("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,gen_first_ms,gen_steady_tokens,gen_steady_tps,kvcache_bytes\n")
-        for r in rows:
-            f.write(r.csv() + "\n")
     results["bench"] = [r.__dict__ for r in rows]
     source.close()
     del engine
