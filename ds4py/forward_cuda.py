@@ -92,10 +92,9 @@ class Scratch:
         s = spec
         q_dim = s.n_head * s.head_dim
         self.state = d((s.n_hc, s.n_embd), f32)
-        self.hc_cols = ops.hc_cols(s.n_embd)
-        n_chunks = s.n_embd // self.hc_cols
-        assert s.n_embd % self.hc_cols == 0 and n_chunks <= 32, \
-            "the mixer partials need n_embd = k·hc_cols with k <= 32 (hc_mix_values sums them in a warp)"
+        self.hc_chunk = ops.hc_chunk(s.n_embd)
+        n_chunks = s.n_hc * s.n_embd // self.hc_chunk
+        assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         self.part_dot = d((s.hc_mix, n_chunks), f32)
         self.part_sq = d(n_chunks, np.float64)
         self.post = d(s.n_hc, f32)
@@ -148,9 +147,11 @@ class CudaEngine:
         s = self.spec
         self.n_ctx = n_ctx
         most_rows = s.n_swa + max([n_ctx // r for r in s.compress_ratios if r > 4] + [s.idx_topk])
-        if most_rows > ops.MAX_ROWS * ops.ATTN_SPLITS:
+        if most_rows > ops.ATTN_MAX_ROWS:
             raise Ds4Error(f"--ctx {n_ctx} gives up to {most_rows} attention rows per head; the GPU attention "
-                           f"kernel handles {ops.MAX_ROWS * ops.ATTN_SPLITS}: lower --ctx")
+                           f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
+        if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 2:
+            raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles even sizes up to {ops.ATTN_MAX_DIM}")
         self.stream = cuda.stream()
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
@@ -253,12 +254,12 @@ class CudaEngine:
                                  s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
     def _hc_mix(self, fn_off16: int, n_rows: int):
-        """mix = fn · RMS-normalised flat state, as partial dots over column chunks; the consumer
-        (hc_pre, hc_head) adds the partials."""
+        """mix = fn · RMS-normalised flat state, as partial dots over chunks of the flat state; the
+        consumer (hc_pre, hc_head) adds the partials."""
         b, st = self.buf, self.stream
         n_chunks = b.part_dot.shape[1]
-        ops.hc_mix_partial[(n_rows, n_chunks), b.hc_cols, st](b.state, self.w16, fn_off16,
-                                                              b.part_dot[:n_rows], b.part_sq)
+        ops.hc_mix_partial[(n_rows, n_chunks), BLOCK, st](b.state, self.w16, fn_off16, b.hc_chunk,
+                                                          b.part_dot[:n_rows], b.part_sq)
 
     def _attention(self, il: int):
         s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
@@ -275,10 +276,14 @@ class CudaEngine:
         if ratio == 4 and self._on("index"):
             self._indexer(il, freqs)
         if self._on("attention"):
-            ops.attention_partial[(s.n_head, ops.ATTN_SPLITS), BLOCK, st](
+            # head groups x row ranges (fixed for the graph; ranges past the visible rows write neutral
+            # partials), then (head, 2*COMBINE_THREADS dims) blocks for the merge
+            groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
+            ops.attention_partial[(groups, ops.ATTN_SPLITS), ops.ATTN_THREADS, st](
                 b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                 s.n_swa, ratio, ratio == 4, s.head_dim, b.part_max, b.part_den, b.part_acc)
-            ops.attention_combine[s.n_head, BLOCK, st](
+            dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
+            ops.attention_combine[(s.n_head, dim_blocks), ops.COMBINE_THREADS, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                 s.head_dim, s.n_rot, freqs, b.attn)
         if self._on("attn_out"):

@@ -21,14 +21,14 @@ import math
 import numpy as np
 
 from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the first CUDA compile)
-from numba import cuda, float32, float64, int32
+from numba import cuda, float32, float64, int32, int64, uint64
+from numba.types import float16
 from numba.cuda import config as numba_config
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
 WIDE = 1024              # threads of the single-block vector kernels on the GPU (4 values each at
                          # n_embd 4096: their time is a chain of load latencies, so more threads)
-MAX_ROWS = 4096          # attention rows one head can score in shared memory
 MAX_SCORE_ROWS = 16384   # indexer rows the top-k selection handles in one block
 NEG_INF = -1e30
 FP8_MAX = 448.0
@@ -250,50 +250,38 @@ def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
             state[h, i] = value
 
 
-HC_COLS = 256            # state columns per mixer block (one per thread, all n_hc streams)
+HC_CHUNK = 1024          # most elements of the flattened HC state per hc_mix_partial block
 
 
-def hc_cols(n_embd: int) -> int:
-    """Columns per mixer block: the chunk c of the partial dots covers columns
-    [c·hc_cols, (c+1)·hc_cols) of every stream."""
-    return min(HC_COLS, BLOCK, n_embd)          # the simulator's reductions need <= BLOCK threads
-
-
-@cuda.jit(device=True)
-def mixer_dot(w16, fn_off, row, n_hc, n_embd, d, values):
-    """Σ_h fn[row, h·n_embd + d] · values[h]: one column's share of a mixer row's dot."""
-    dot = float32(0.0)
-    for h in range(n_hc):
-        dot += float32(w16[fn_off + (row * n_hc + h) * n_embd + d]) * values[h]
-    return dot
-
-
-@cuda.jit(device=True)
-def column_sumsq(values, n_hc):
-    sq = float64(0.0)
-    for h in range(n_hc):
-        sq += float64(values[h]) * float64(values[h])
-    return sq
+def hc_chunk(n_embd: int) -> int:
+    """Chunk length dividing n_embd, so that a chunk never straddles two streams."""
+    return min(HC_CHUNK, n_embd)
 
 
 @cuda.jit(cache=True)
-def hc_mix_partial(state, w16, fn_off, part_dot, part_sq):
-    """Partial mixer dots (§6.2) over one column chunk of the state: block (row, chunk), a thread
-    per column. Row-0 blocks also write the chunk's Σx² (in double) for the RMS scale; hc_pre and
-    hc_head add the chunk partials."""
+def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
+    """Partial mixer dots over one chunk of the flattened state: block (row, chunk). Chunks never
+    straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks also
+    write the chunk's Σx² (in double) for the RMS scale."""
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
-    d = chunk * cuda.blockDim.x + tid
+    start = chunk * chunk_len
+    stream = start // n_embd
+    d0 = start - stream * n_embd
+    base = fn_off + row * n_hc * n_embd + start
     scratch64 = cuda.shared.array(BLOCK, float64)
     scratch32 = cuda.shared.array(BLOCK, float32)
-    values = cuda.local.array(16, float32)
-    for h in range(n_hc):
-        values[h] = state[h, d]
-    total_dot = block_sum(mixer_dot(w16, fn_off, row, n_hc, n_embd, d, values), scratch32)
+    sumsq = float64(0.0)
+    dot = float32(0.0)
+    for j in range(tid, chunk_len, cuda.blockDim.x):
+        v = state[stream, d0 + j]
+        dot += float32(w16[base + j]) * v
+        sumsq += float64(v) * float64(v)
+    total_dot = block_sum(dot, scratch32)
     if row == 0:
-        total_sq = block_sum(column_sumsq(values, n_hc), scratch64)
+        total_sq = block_sum(sumsq, scratch64)
         if tid == 0:
             part_sq[chunk] = total_sq
     if tid == 0:
@@ -857,118 +845,351 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
 
 
 # ---- attention (§6.5, §6.6) ---------------------------------------------------------------------------
+#
+# Decode attention is MQA: all heads read the same K=V rows. attention_partial gives a block a
+# group of ATTN_HEADS heads and one range of the visible rows (flash-decoding split); the block
+# stages its rows in shared memory one tile at a time and scores every head of its group against
+# each staged row, so a row crosses L2 once per head group instead of once per head. Per head it
+# keeps the running max, Σexp and Σexp·row across its tiles (online softmax) and writes them as
+# the split's partials; attention_combine merges the splits with the sink.
+#
+# Thread layout of a 256-thread block (8 warps):
+#   scores:  warp w owns heads 4*(w//4) .. +3 of the group and tile rows t ≡ w (mod 4); lane l holds
+#            q[head, l + 32j] (j < 16) in registers; warp_sum8 reduces 4 heads x 2 rows at once;
+#   softmax: warp w is head w of the group, lane l is row l of the tile;
+#   sums:    thread i owns heads 4*(i//128) .. +3 at dims i%128 + 128j (j < 4): 16 accumulators.
+#
+# The hot indices are cast to uint64 where they index: numba wraps negative indices around, and
+# that select per access also keeps every address in its own register (spills at 128 registers).
 
-ATTN_SPLITS = 8          # row ranges per head scored by separate blocks (flash-decoding)
+ATTN_HEADS = 8           # heads per attention_partial block (one warp each in the softmax step)
+ATTN_THREADS = 256       # attention_partial's block: 32 lanes per head of the group
+ATTN_TILE = 32           # rows staged at once (one per lane in the softmax step)
+ATTN_SPLITS = 24         # row ranges per head group, in whole tiles: 20 busy at 640 rows
+ATTN_MAX_DIM = 512       # largest head_dim: 16 dims per lane when scoring, 4 per thread when summing
+ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
+ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
+ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
+COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
+# Two attention_partial blocks per SM (<= 128 registers): 160 busy blocks at 640 rows then all run
+# at once on the 132 SMs. The simulator's jit takes no launch bounds.
+ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 2)}
 
 
-@cuda.jit(cache=True)
-def attention_partial(q, raw_cache, comp_cache, selected, n_selected, pos_buf, n_swa, ratio,
-                      use_selected, head_dim, part_max, part_den, part_acc):
-    """Sink attention, first half: block (head, split) takes one range of the visible rows (raw
-    window, then all compressed rows or the indexer's `selected` ones) and writes its running max,
-    Σexp and Σexp·row; attention_combine merges the ranges with the sink (§6.6).
-
-    Each row's source index is resolved once into shared memory; scores are computed one row per
-    warp with the lanes reading consecutive dims (coalesced), reduced by shuffles on the GPU (one
-    row per thread in the simulator, which has no shuffles)."""
-    head = cuda.blockIdx.x
-    split = cuda.blockIdx.y
-    n_splits = cuda.gridDim.y
+@cuda.jit(device=True)
+def lane_swap(value, offset, scratch):
+    """The value of lane (lane ^ offset) in the same warp: a shuffle on the GPU, an exchange through
+    shared memory in the simulator (where every thread of the block must make the same calls)."""
+    if USE_SHUFFLES:
+        return cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
     tid = cuda.threadIdx.x
-    pos = pos_buf[0]
-    scores = cuda.shared.array(MAX_ROWS, float32)
-    source = cuda.shared.array(MAX_ROWS, int32)
-    q_sh = cuda.shared.array(512, float32)
-    scratch32 = cuda.shared.array(BLOCK, float32)
-    base = head * head_dim
-    for i in range(tid, head_dim, cuda.blockDim.x):
-        q_sh[i] = q[base + i]
+    scratch[tid] = value
+    cuda.syncthreads()
+    other = scratch[tid ^ offset]
+    cuda.syncthreads()
+    return other
+
+
+@cuda.jit(device=True)
+def lanes_max(value, scratch):
+    """Max over the 32 lanes of a warp; every lane gets it."""
+    for offset in (16, 8, 4, 2, 1):
+        value = max(value, lane_swap(value, offset, scratch))
+    return value
+
+
+@cuda.jit(device=True)
+def lanes_sum(value, scratch):
+    """Sum over the 32 lanes of a warp; every lane gets the same bits (a+b == b+a)."""
+    for offset in (16, 8, 4, 2, 1):
+        value += lane_swap(value, offset, scratch)
+    return value
+
+
+@cuda.jit(device=True)
+def warp_sum8(v, scratch):
+    """Sums over the 32 lanes of eight values v[0..7] at once, in 9 exchanges instead of 8 x 5:
+    in each of the first three halving steps a lane keeps half of its values and sends the partner
+    the other half (the half the partner keeps). Lane l ends with the total of v[(l >> 2) & 7]."""
+    lane = cuda.threadIdx.x % 32
+    hi = (lane & 16) != 0                       # keep v[4..7] (else v[0..3])
+    a0 = (v[4] if hi else v[0]) + lane_swap(v[0] if hi else v[4], 16, scratch)
+    a1 = (v[5] if hi else v[1]) + lane_swap(v[1] if hi else v[5], 16, scratch)
+    a2 = (v[6] if hi else v[2]) + lane_swap(v[2] if hi else v[6], 16, scratch)
+    a3 = (v[7] if hi else v[3]) + lane_swap(v[3] if hi else v[7], 16, scratch)
+    hi = (lane & 8) != 0                        # keep a2, a3 (else a0, a1)
+    b0 = (a2 if hi else a0) + lane_swap(a0 if hi else a2, 8, scratch)
+    b1 = (a3 if hi else a1) + lane_swap(a1 if hi else a3, 8, scratch)
+    hi = (lane & 4) != 0                        # keep b1 (else b0)
+    c = (b1 if hi else b0) + lane_swap(b0 if hi else b1, 4, scratch)
+    c += lane_swap(c, 2, scratch)
+    c += lane_swap(c, 1, scratch)
+    return c
+
+
+@cuda.jit(device=True)
+def visible_rows(pos, n_swa, ratio, use_selected, n_selected):
+    """§6.5: the raw window (rows 0 .. n_raw-1, positions first_raw ..) then the compressed rows
+    (all emitted ones, or the indexer's selection). Returns (n_raw, first_raw, n_rows)."""
     n_raw = min(pos + 1, n_swa)
-    first_raw = pos + 1 - n_raw
     n_comp = (pos + 1) // ratio if ratio > 0 else 0
     if use_selected:
         n_comp = n_selected[0]
-    n_rows = n_raw + n_comp
-    per_split = (n_rows + n_splits - 1) // n_splits
-    r0 = min(split * per_split, n_rows)
-    n_mine = min(r0 + per_split, n_rows) - r0
+    return n_raw, pos + 1 - n_raw, n_raw + n_comp
+
+
+@cuda.jit(device=True)
+def row_source(r, n_raw, first_raw, cap, selected, use_selected):
+    """Where visible row r lives (§6.5): (True, ring slot) for the raw window rows, which come first,
+    else (False, compressed row), all of them in order or the indexer's selected ones."""
+    if r < n_raw:
+        return True, (first_raw + r) % cap
+    if use_selected:
+        return False, int64(selected[r - n_raw])
+    return False, r - n_raw
+
+
+@cuda.jit(device=True)
+def stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+               use_selected, head_dim):
+    """Copy visible rows tile_begin .. +n_tile into the f16 tile (exact: the caches hold f16-rounded
+    values, §6.4/§6.8). Warp w copies tile rows w, w+8, w+16, w+24, two per round; lanes read
+    consecutive dims. Slots past n_tile repeat the last row and dims past head_dim repeat the last
+    dim, so every slot holds finite values and the loads carry no condition (they issue back to
+    back): the later steps use the padding with weight 0 and never write it out."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
     cap = raw_cache.shape[0]
-    for k in range(tid, n_mine, cuda.blockDim.x):
-        r = r0 + k
-        if r < n_raw:
-            source[k] = (first_raw + r) % cap
-        else:
-            source[k] = selected[r - n_raw] if use_selected else r - n_raw
-    cuda.syncthreads()
+    for i in range(ATTN_TILE // 16):
+        t0 = warp + 16 * i
+        raw0, src0 = row_source(tile_begin + min(t0, n_tile - 1), n_raw, first_raw, cap, selected,
+                                use_selected)
+        raw1, src1 = row_source(tile_begin + min(t0 + 8, n_tile - 1), n_raw, first_raw, cap, selected,
+                                use_selected)
+        row0 = raw_cache[src0] if raw0 else comp_cache[src0]
+        row1 = raw_cache[src1] if raw1 else comp_cache[src1]
+        for j in range(ATTN_LANE_DIMS):
+            d = min(lane + 32 * j, head_dim - 1)
+            rows[uint64(t0), uint64(lane + 32 * j)] = float16(row0[uint64(d)])
+            rows[uint64(t0 + 8), uint64(lane + 32 * j)] = float16(row1[uint64(d)])
+
+
+@cuda.jit(device=True)
+def load_q(q, group, head_dim, q_reg):
+    """q of the warp's 4 scoring heads at the lane's dims (0 past head_dim and for heads past the
+    last). Reloaded every tile (from L1) rather than kept live across the staging, whose loads in
+    flight need the registers."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    n_head = q.shape[0] // head_dim
+    head0 = group * ATTN_HEADS + 4 * (warp // 4)
+    for hh in range(4):
+        base = min(head0 + hh, n_head - 1) * head_dim
+        for j in range(ATTN_LANE_DIMS):
+            d = lane + 32 * j
+            value = q[uint64(base + min(d, head_dim - 1))]
+            q_reg[hh * ATTN_LANE_DIMS + j] = value if d < head_dim else float32(0.0)
+
+
+@cuda.jit(device=True)
+def score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch):
+    """scores[h, t] = q_h · row_t / sqrt(head_dim) for the group's 8 heads and the 32 tile slots
+    (layout in the section comment; padded slots get scores the softmax ignores). Warp w takes
+    slots w%4 + 8i and w%4 + 8i + 4 per round, so one warp_sum8 reduces 4 heads x 2 rows."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    q_reg = cuda.local.array(ATTN_Q_REGS, float32)
+    load_q(q, group, head_dim, q_reg)
+    part = cuda.local.array(8, float32)
+    for i in range(ATTN_TILE // 8):
+        t0 = warp % 4 + 8 * i
+        for k in range(8):
+            part[k] = float32(0.0)
+        for j in range(ATTN_LANE_DIMS):
+            x0 = float32(rows[uint64(t0), uint64(lane + 32 * j)])
+            x1 = float32(rows[uint64(t0 + 4), uint64(lane + 32 * j)])
+            for hh in range(4):
+                qv = q_reg[hh * ATTN_LANE_DIMS + j]
+                part[hh] += qv * x0
+                part[4 + hh] += qv * x1
+        total = warp_sum8(part, scratch)
+        if lane % 4 == 0:                       # lane holds value (lane >> 2) & 7: row (lane >> 4), head (lane >> 2) & 3
+            scores[4 * (warp // 4) + (lane >> 2) % 4, t0 + 4 * (lane >> 4)] = total * inv_sqrt
+
+
+@cuda.jit(device=True)
+def softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch):
+    """Online softmax step of head `warp` of the group over the tile (lane = row): returns the new
+    running max and Σexp; scores[head, :] becomes the rows' exp weights (0 on padded slots) and
+    rescale[head] the factor for the sums so far."""
+    head = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    s = scores[head, lane] if lane < n_tile else float32(NEG_INF)
+    m_new = max(m_run, lanes_max(s, scratch))
+    e = math.exp(s - m_new) if lane < n_tile else float32(0.0)
+    scale = math.exp(m_run - m_new)
+    den_new = den_run * scale + lanes_sum(e, scratch)
+    scores[head, lane] = e
+    if lane == 0:
+        rescale[head] = scale
+    return m_new, den_new
+
+
+@cuda.jit(device=True)
+def accumulate_tile(rows, weights, rescale, first, part_acc, group, split, head_dim):
+    """part_acc[h, split, d] = previous value·rescale[h] + Σ_t weight[h, t]·row_t[d] for this
+    thread's 4 heads x 4 dims, over all 32 slots (padded slots: weight 0, finite values). Between
+    tiles the sums wait in part_acc (each thread reads back its own writes), so no registers stay
+    live through the staging and scoring of the next tile."""
+    n_head = part_acc.shape[0]
+    quad = cuda.threadIdx.x // 128
+    dim0 = cuda.threadIdx.x % 128
+    head0 = group * ATTN_HEADS + 4 * quad
+    acc = cuda.local.array(16, float32)
+    for hh in range(4):
+        out = part_acc[min(head0 + hh, n_head - 1), split]
+        for j in range(4):
+            d = dim0 + 128 * j
+            acc[4 * hh + j] = float32(0.0)
+            if not first and head0 + hh < n_head and d < head_dim:
+                acc[4 * hh + j] = out[uint64(d)] * rescale[4 * quad + hh]
+    x = cuda.local.array(4, float32)
+    for t in range(ATTN_TILE):
+        for j in range(4):
+            x[j] = float32(rows[uint64(t), uint64(dim0 + 128 * j)])
+        for hh in range(4):
+            w = weights[uint64(4 * quad + hh), uint64(t)]
+            for j in range(4):
+                acc[4 * hh + j] += w * x[j]
+    store_acc(acc, part_acc, group, split, head_dim)
+
+
+@cuda.jit(device=True)
+def store_acc(acc, part_acc, group, split, head_dim):
+    """Write this thread's 16 sums (4 heads x 4 dims) to part_acc[:, split]."""
+    n_head = part_acc.shape[0]
+    head0 = group * ATTN_HEADS + 4 * (cuda.threadIdx.x // 128)
+    for hh in range(4):
+        if head0 + hh < n_head:
+            out = part_acc[head0 + hh, split]
+            for j in range(4):
+                d = cuda.threadIdx.x % 128 + 128 * j
+                if d < head_dim:
+                    out[uint64(d)] = acc[4 * hh + j]
+
+
+@cuda.jit(device=True)
+def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
+                 first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
+    """The group's heads over visible rows begin .. end-1, tile by tile, with an online softmax:
+    writes Σexp·row into part_acc and returns the max and Σexp of head `warp` of the group."""
+    m_run = float32(NEG_INF)
+    den_run = float32(0.0)
     inv_sqrt = float32(1.0 / math.sqrt(head_dim))
-    if USE_SHUFFLES:
-        lane = tid % 32
-        for k in range(tid // 32, n_mine, cuda.blockDim.x // 32):
-            src = source[k]
-            dot = float32(0.0)
-            if r0 + k < n_raw:
-                for i in range(lane, head_dim, 32):
-                    dot += q_sh[i] * raw_cache[src, i]
-            else:
-                for i in range(lane, head_dim, 32):
-                    dot += q_sh[i] * comp_cache[src, i]
-            dot = warp_sum_f32(dot)
-            if lane == 0:
-                scores[k] = dot * inv_sqrt
+    for tile_begin in range(begin, end, ATTN_TILE):
+        n_tile = min(ATTN_TILE, end - tile_begin)
+        stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+                   use_selected, head_dim)
+        cuda.syncthreads()
+        score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch)
+        cuda.syncthreads()
+        m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
+        cuda.syncthreads()
+        accumulate_tile(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
+        cuda.syncthreads()
+    return m_run, den_run
+
+
+@cuda.jit(cache=True, **ATTN_JIT)
+def attention_partial(q, raw_cache, comp_cache, selected, n_selected, pos_buf, n_swa, ratio,
+                      use_selected, head_dim, part_max, part_den, part_acc):
+    """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
+    whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
+    Σexp·row (f32). A block whose range is empty (short context) writes neutral partials (max
+    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits);
+    head_dim <= ATTN_MAX_DIM."""
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    group = cuda.blockIdx.x
+    split = cuda.blockIdx.y
+    n_raw, first_raw, n_rows = visible_rows(pos_buf[0], n_swa, ratio, use_selected, n_selected)
+    n_tiles = (n_rows + ATTN_TILE - 1) // ATTN_TILE
+    tiles_per_split = (n_tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
+    begin = min(split * tiles_per_split * ATTN_TILE, n_rows)
+    end = min(begin + tiles_per_split * ATTN_TILE, n_rows)
+    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
+    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)     # then the exp weights
+    rescale = cuda.shared.array(ATTN_HEADS, float32)
+    scratch = cuda.shared.array(ATTN_THREADS, float32)       # lane_swap in the simulator only
+    if head_dim == ATTN_MAX_DIM:
+        # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
+        # clamps fold away and each row's loads are constant offsets from one address
+        m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+                                      begin, end, n_raw, first_raw, ATTN_MAX_DIM, part_acc, rows,
+                                      scores, rescale, scratch)
     else:
-        for k in range(tid, n_mine, cuda.blockDim.x):
-            src = source[k]
-            dot = float32(0.0)
-            for i in range(head_dim):
-                dot += q_sh[i] * (raw_cache[src, i] if r0 + k < n_raw else comp_cache[src, i])
-            scores[k] = dot * inv_sqrt
-    cuda.syncthreads()
-    local_max = float32(NEG_INF)
-    for k in range(tid, n_mine, cuda.blockDim.x):
-        local_max = max(local_max, scores[k])
-    m = block_max_f32(local_max, scratch32)
-    local_den = float32(0.0)
-    for k in range(tid, n_mine, cuda.blockDim.x):
-        e = math.exp(scores[k] - m)
-        scores[k] = e
-        local_den += e
-    den = block_sum(local_den, scratch32)
-    n_raw_mine = max(0, min(n_raw - r0, n_mine))
-    for i in range(tid, head_dim, cuda.blockDim.x):
-        acc = float32(0.0)
-        for k in range(n_raw_mine):
-            acc += scores[k] * raw_cache[source[k], i]
-        for k in range(n_raw_mine, n_mine):
-            acc += scores[k] * comp_cache[source[k], i]
-        part_acc[head, split, i] = acc
-    if tid == 0:
-        part_max[head, split] = m
-        part_den[head, split] = den
+        m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+                                      begin, end, n_raw, first_raw, head_dim, part_acc, rows,
+                                      scores, rescale, scratch)
+    n_head = part_max.shape[0]
+    head = group * ATTN_HEADS + warp
+    if tid % 32 == 0 and head < n_head:
+        part_max[head, split] = m_run
+        part_den[head, split] = den_run
+    if begin == end:                   # empty range: neutral sums too
+        zeros = cuda.local.array(16, float32)
+        for k in range(16):
+            zeros[k] = float32(0.0)
+        store_acc(zeros, part_acc, group, split, head_dim)
+
+
+@cuda.jit(device=True)
+def rotate_pair(x0, x1, theta, inverse):
+    """One RoPE pair rotation, the arithmetic of rope_tail (§6.7)."""
+    c = math.cos(theta)
+    s = math.sin(theta)
+    if inverse:
+        s = -s
+    return x0 * c - x1 * s, x0 * s + x1 * c
 
 
 @cuda.jit(cache=True)
 def attention_combine(part_max, part_den, part_acc, w32, sinks_off, pos_buf, head_dim, n_rot,
                       freqs, out):
-    """Sink attention, second half: merge the row ranges of each head with its sink logit, which
-    joins the denominator only, then the inverse RoPE of the output tail. One block per head."""
+    """Sink attention, second half: merge the splits of each head with its sink logit, which joins
+    the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part)
+    with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the RoPE needs
+    no second pass. Empty splits (Σ 0) are skipped."""
     head = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
     n_splits = part_max.shape[1]
+    weights = cuda.shared.array(ATTN_SPLITS, float32)
     sink = w32[sinks_off + head]
     m = sink
     for s_ in range(n_splits):
         m = max(m, part_max[head, s_])
+    for s_ in range(cuda.threadIdx.x, n_splits, cuda.blockDim.x):
+        weights[s_] = math.exp(part_max[head, s_] - m) if part_den[head, s_] > 0 else float32(0.0)
+    cuda.syncthreads()
     den = math.exp(sink - m)
     for s_ in range(n_splits):
-        den += math.exp(part_max[head, s_] - m) * part_den[head, s_]
-    base = head * head_dim
-    for i in range(tid, head_dim, cuda.blockDim.x):
-        acc = float32(0.0)
-        for s_ in range(n_splits):
-            acc += math.exp(part_max[head, s_] - m) * part_acc[head, s_, i]
-        out[base + i] = acc / den
-    cuda.syncthreads()
-    rope_tail(out, base, head_dim - n_rot, n_rot, pos_buf[0], freqs, True)
+        den += weights[s_] * part_den[head, s_]
+    d = 2 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
+    if d >= head_dim:
+        return
+    acc0 = float32(0.0)
+    acc1 = float32(0.0)
+    for s_ in range(n_splits):
+        w = weights[s_]
+        if w != 0:
+            acc0 += w * part_acc[head, s_, d]
+            acc1 += w * part_acc[head, s_, d + 1]
+    x0 = acc0 / den
+    x1 = acc1 / den
+    n_nope = head_dim - n_rot
+    if d >= n_nope:
+        x0, x1 = rotate_pair(x0, x1, float32(pos_buf[0]) * freqs[(d - n_nope) // 2], True)
+    out[head * head_dim + d] = x0
+    out[head * head_dim + d + 1] = x1
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ f16a = types.float16[::1]; u32a = types.uint32[::1]; i64a2 = types.int64[:, ::1]
 i64 = types.int64; f64 = types.float64; b1 = types.boolean
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a2),
- "hc_mix_partial": (f32a2, f16a, i64, types.float32[:, :], types.float64[::1]),
+ "hc_mix_partial": (f32a2, f16a, i64, i64, types.float32[:, :], types.float64[::1]),
  "hc_pre": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
  "hc_post": (f32a2, f32a, f32a, f32a, f32a),
  "hc_head": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),

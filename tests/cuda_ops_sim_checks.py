@@ -45,11 +45,11 @@ def check_hc():
     w32_host[off32 + 3 + mix_rows:off32 + 3 + mix_rows + n_embd] = norm
     d_arena = cuda.to_device(arena)
     d_state = cuda.to_device(state)
-    cols = 64                                      # four column chunks
-    n_chunks = n_embd // cols
+    chunk = 128                                    # two chunks per stream
+    n_chunks = n_hc * n_embd // chunk
     part_dot = cuda.device_array((mix_rows, n_chunks), np.float32)
     part_sq = cuda.device_array(n_chunks, np.float64)
-    ops.hc_mix_partial[(mix_rows, n_chunks), cols](d_state, d_arena.view(np.float16), 0, part_dot, part_sq)
+    ops.hc_mix_partial[(mix_rows, n_chunks), 64](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
 
     def mix_of(part_dot, part_sq, flat):
         pd, ps = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
@@ -106,34 +106,48 @@ def check_qat_and_rope():
     close("indexer_q (rope, hadamard, fp4)", d_iq.copy_to_host(), want, 1e-5)
 
 
-def check_attention():
-    n_head, head_dim, n_rot, n_swa = 3, 128, 64, 8
-    pos = 21
+def attention_case(name, n_head, head_dim, n_swa, pos, ratio, n_comp_rows, selected, n_splits):
+    """attention_partial + attention_combine against the float64 sink attention of the reference.
+    The caches hold f16-rounded values, as kv_finish and compressor_step leave them (the kernel
+    stages rows in f16)."""
+    n_rot = 64
     cap = n_swa
-    raw = rng.normal(0, 1, (cap, head_dim)).astype(np.float32)
-    comp = rng.normal(0, 1, (10, head_dim)).astype(np.float32)
+    raw = rng.normal(0, 1, (cap, head_dim)).astype(np.float16).astype(np.float32)
+    comp = rng.normal(0, 1, (max(n_comp_rows, 1), head_dim)).astype(np.float16).astype(np.float32)
     q = rng.normal(0, 1, n_head * head_dim).astype(np.float32)
     sinks = rng.normal(0, 0.5, n_head).astype(np.float32)
     freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
     out = cuda.device_array(n_head * head_dim, np.float32)
-    ratio = 4
-    selected = np.array([0, 2, 3], np.int32)
-    n_splits = 3                                        # uneven ranges: 11 rows over 3 splits
+    use_selected = selected is not None
+    sel = np.asarray(selected if use_selected else [0], np.int32)
     part_max = cuda.device_array((n_head, n_splits), np.float32)
     part_den = cuda.device_array((n_head, n_splits), np.float32)
     part_acc = cuda.device_array((n_head, n_splits, head_dim), np.float32)
     d_pos = cuda.to_device(np.array([pos], np.int32))
-    ops.attention_partial[(n_head, n_splits), BLOCK](cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp),
-                                                     cuda.to_device(selected), cuda.to_device(np.array([3], np.int32)),
-                                                     d_pos, n_swa, ratio, True, head_dim, part_max, part_den, part_acc)
-    ops.attention_combine[n_head, BLOCK](part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim,
-                                         n_rot, cuda.to_device(freqs), out)
-    rows = np.concatenate([raw[[(pos - n_swa + 1 + i) % cap for i in range(n_swa)]], comp[selected]]).astype(np.float64)
+    grid = ((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, n_splits)
+    ops.attention_partial[grid, ops.ATTN_THREADS](
+        cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp), cuda.to_device(sel),
+        cuda.to_device(np.array([len(sel)], np.int32)), d_pos, n_swa, ratio, use_selected, head_dim,
+        part_max, part_den, part_acc)
+    ops.attention_combine[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1), ops.COMBINE_THREADS](
+        part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs), out)
+    n_raw = min(pos + 1, n_swa)
+    comp_rows = sel if use_selected else np.arange((pos + 1) // ratio if ratio else 0)
+    rows = np.concatenate([raw[[(pos + 1 - n_raw + i) % cap for i in range(n_raw)]], comp[comp_rows]]).astype(np.float64)
     rope = ref.Rope(n_rot, 10000.0, False)
     want = [rope.apply(ref.sink_attention(q.reshape(n_head, head_dim)[h].astype(np.float64)[None, :], rows,
                                           sinks[h:h + 1].astype(np.float64), head_dim), pos, inverse=True)[0]
             for h in range(n_head)]
-    close("sink attention", out.copy_to_host(), np.concatenate(want), 1e-5)
+    close(f"sink attention, {name} ({len(rows)} rows)", out.copy_to_host(), np.concatenate(want), 1e-5)
+
+
+def check_attention():
+    # the indexer's selection (ratio 4), uneven tiles over splits, heads not a multiple of 8
+    attention_case("selected", 3, 128, 8, 21, 4, 10, [0, 2, 3], 3)
+    # few rows: most splits empty (neutral partials)
+    attention_case("short context", 9, 128, 16, 4, 128, 0, None, 6)
+    # more rows than one tile in a split (online softmax across tiles), the model's head_dim
+    attention_case("several tiles", 8, 512, 40, 300, 4, 75, None, 2)
 
 
 def check_indexer_select():
