@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.resources
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ def tiny_model(tmp_path_factory):
     """The `tiny` preset, exactly as `ds4py make-model --preset tiny` writes it."""
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     synth.build_model(str(path), "tiny", "none", seed=0)
+    fd = os.open(path, os.O_RDONLY)      # written back now: the kernel keeps dirty pages through
+    try:                                 # DONTNEED, and the streaming tests check pages are dropped
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return path
 
 

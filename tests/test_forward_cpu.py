@@ -93,6 +93,9 @@ def shadow_run(model):
     check = set(positions.values())
     n_tokens = max(check) + 1
     tokens = np.random.default_rng(7).integers(0, spec.n_vocab, n_tokens).tolist()
+    # Compile the engine's njit kernels with their real argument types before anything is patched:
+    # router_topk must not be compiled against the patched module global topk_desc below.
+    FC.CpuEngine(model, n_ctx=256).decode(tokens[0])
     mp = pytest.MonkeyPatch()
     rec = EngineRecorder(mp)
     engine = FC.CpuEngine(model, n_ctx=256)
