@@ -323,7 +323,7 @@ class CudaEngine:
         s, b, st = self.spec, self.buf, self.stream
         p = f"blk.{il}."
         q_dim = s.n_head * s.head_dim
-        ops.quantize_q8_0[ops.q8_0_grid(q_dim), 256, st](b.attn, b.attn_q, b.attn_d)
+        qk.quantize_q8_0(b.attn, b.attn_q, b.attn_d, st)
         group_in = q_dim // s.n_group
         name = p + "attn_output_a.weight"
         if self.info(name).ggml_type == GGML_Q8_0:       # the 8 groups in one launch
@@ -333,7 +333,7 @@ class CudaEngine:
             for g in range(s.n_group):
                 self._matvec(name, b.attn, b.attn_q, b.attn_d, b.low[g * s.o_lora:(g + 1) * s.o_lora],
                              x_offset=g * group_in, rows=s.o_lora, row0=g * s.o_lora)
-        ops.quantize_q8_0[ops.q8_0_grid(s.n_group * s.o_lora), 256, st](b.low, b.low_q, b.low_d)
+        qk.quantize_q8_0(b.low, b.low_q, b.low_d, st)
         self._matvec(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn)
 
     def _on(self, group: str) -> bool:

@@ -1323,24 +1323,6 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
     quantize_q8_0_block_values(mid, xq, xd)
 
 
-def q8_0_grid(n: int) -> int:
-    """Blocks of 256 threads for quantize_q8_0 of n values (a warp per 32 values on the GPU)."""
-    threads = n if USE_SHUFFLES else n // 32
-    return (threads + 255) // 256
-
-
-@cuda.jit(cache=True)
-def quantize_q8_0(x, xq, xd):
-    """Q8_0 of a whole vector: one warp per 32-value block on the GPU (launch x.size threads),
-    one thread per block in the simulator."""
-    t = cuda.grid(1)
-    if USE_SHUFFLES:
-        if t // 32 < x.shape[0] // 32:                 # warp-uniform
-            quantize_q8_0_warp(x, t // 32, t % 32, xq, xd)
-    elif t < x.shape[0] // 32:
-        quantize_q8_0_serial(x, t, xq, xd)
-
-
 ARGMAX_BLOCKS = 128       # blocks of the first argmax pass (enough loads in flight over 129k logits)
 
 

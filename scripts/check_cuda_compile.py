@@ -27,7 +27,6 @@ sigs = {
  "attention_combine": (f32a2, f32a2, types.float32[:, :, ::1], f32a, i64, i32a, i64, i64, f32a, f32a),
  "route": (f32a, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a, f32a, i64a2),
  "swiglu_q8": (f32a, f32a, f64, f32a, i8a, f32a),
- "quantize_q8_0": (f32a, i8a, f32a),
  "argmax_partial": (f32a, i32a, f32a, i32a),
  "argmax_finish": (f32a, i32a, i32a),
 }

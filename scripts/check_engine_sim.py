@@ -54,6 +54,12 @@ class HostQuantKernels:
         out.copy_to_device((w @ _host(x).astype(np.float32)).astype(np.float32))
 
     @staticmethod
+    def quantize_q8_0(x, q, d, stream=0):
+        codes, scales = ck.quantize_q8_0(_host(x).astype(np.float32))
+        q.copy_to_device(codes)
+        d.copy_to_device(scales)
+
+    @staticmethod
     def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0):
         HostQuantKernels.matvec_q8_0(arena, off_a, rows_a, K, xq, xd, out[:rows_a])
         HostQuantKernels.matvec_q8_0(arena, off_b, rows_b, K, xq, xd, out[rows_a:rows_a + rows_b])
