@@ -1397,13 +1397,14 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
 
 @cuda.jit(cache=True)
 def groups_to_tokens(src, n_group, width, dst):
-    """dst[t, g·width + i] = src[(g·T + t)·width + i]: the grouped output projection's results
-    (group-major, one matmul per group) as the token rows the next projection reads. Grid (x, T)."""
+    """dst[t·n_group·width + g·width + i] = src[(g·T + t)·width + i] (both flat): the grouped
+    output projection's results (group-major, one matmul per group) as the token rows the next
+    projection reads. Grid (x, T)."""
     t = cuda.blockIdx.y
     n_tok = cuda.gridDim.y
     for k in range(cuda.grid(1), n_group * width, cuda.gridDim.x * cuda.blockDim.x):
         g = k // width
-        dst[t, k] = src[(g * n_tok + t) * width + k - g * width]
+        dst[t * n_group * width + k] = src[(g * n_tok + t) * width + k - g * width]
 
 
 def q8_0_grid(n: int) -> int:

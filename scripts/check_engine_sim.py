@@ -31,6 +31,17 @@ def _host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
+_ARENAS = {}
+
+
+def _host_arena(arena):
+    """The weights arena on the host, copied once (weights never change during a run)."""
+    key = id(arena)
+    if key not in _ARENAS:
+        _ARENAS[key] = (arena, _host(arena))
+    return _ARENAS[key][1]
+
+
 class HostQuantKernels:
     """Stand-ins for kernels/cuda.py's matvecs and MoE with ds4's numerics, computed on the host."""
 
@@ -40,7 +51,7 @@ class HostQuantKernels:
 
     @staticmethod
     def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
-        w = _host(arena)[off:off + rows * (K // 32) * 34].reshape(rows, K // 32, 34)
+        w = _host_arena(arena)[off:off + rows * (K // 32) * 34].reshape(rows, K // 32, 34)
         wd = w[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         wq = w[:, :, 2:].copy().view(np.int8).astype(np.int32)
         q = _host(xq).astype(np.int32).reshape(K // 32, 32)
@@ -50,7 +61,7 @@ class HostQuantKernels:
 
     @staticmethod
     def matvec_f16(arena, off, rows, K, x, out, stream=0):
-        w = _host(arena)[off:off + rows * K * 2].copy().view(np.float16).reshape(rows, K).astype(np.float32)
+        w = _host_arena(arena)[off:off + rows * K * 2].copy().view(np.float16).reshape(rows, K).astype(np.float32)
         out.copy_to_device((w @ _host(x).astype(np.float32)).astype(np.float32))
 
     @staticmethod
@@ -71,24 +82,84 @@ class HostQuantKernels:
                                          xd[g * K // 32:(g + 1) * K // 32], out[g * per:(g + 1) * per])
 
     @staticmethod
-    def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out, ws, stream=0):
-        a = _host(arena)
-        offs = _host(slot_offsets)
-        rw = _host(route_w)
-        xv = _host(x).astype(np.float32)
+    def _q8_0_rows(arena, off, rows, K, xq, xd):
+        """[n_tok, rows] = W · X[t] for each token t (the matvec's numerics, row by row)."""
+        w = _host_arena(arena)[off:off + rows * (K // 32) * 34].reshape(rows, K // 32, 34)
+        wd = w[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        wq = w[:, :, 2:].copy().view(np.int8).astype(np.int32)
+        q = _host(xq).astype(np.int32).reshape(-1, K // 32, 32)
+        d = _host(xd).astype(np.float32).reshape(-1, K // 32)
+        out = np.empty((q.shape[0], rows), np.float32)
+        for t in range(q.shape[0]):
+            dots = (wq * q[t][None]).sum(-1).astype(np.float32)
+            out[t] = (wd * d[t][None] * dots).sum(-1, dtype=np.float32)
+        return out
+
+    @staticmethod
+    def _f16_rows(arena, off, rows, K, X):
+        w = _host_arena(arena)[off:off + rows * K * 2].copy().view(np.float16).reshape(rows, K).astype(np.float32)
+        x = _host(X).astype(np.float32).reshape(-1, K)
+        return np.stack([(w @ x[t]).astype(np.float32) for t in range(x.shape[0])])
+
+    @staticmethod
+    def _put(out, host):
+        out.copy_to_device(np.ascontiguousarray(host.reshape(out.shape), dtype=np.float32))
+
+    @staticmethod
+    def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+        H = HostQuantKernels
+        H._put(out, H._q8_0_rows(arena, off, rows, K, xq, xd))
+
+    @staticmethod
+    def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
+        H = HostQuantKernels
+        H._put(out, H._f16_rows(arena, off, rows, K, X))
+
+    @staticmethod
+    def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0):
+        H = HostQuantKernels
+        H._put(out, np.concatenate([H._q8_0_rows(arena, off_a, rows_a, K, xq, xd),
+                                    H._q8_0_rows(arena, off_b, rows_b, K, xq, xd)], axis=1))
+
+    @staticmethod
+    def matmul_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, X, out, stream=0):
+        H = HostQuantKernels
+        H._put(out, np.concatenate([H._f16_rows(arena, off_a, rows_a, K, X),
+                                    H._f16_rows(arena, off_b, rows_b, K, X)], axis=1))
+
+    @staticmethod
+    def _moe_token(a, offs, gate_type, down_type, xv, rw, clamp, n_ff):
         n_embd = xv.shape[0]
         gate_rb = ck.F.row_bytes(gate_type, n_embd)
-        n_ff = ws.n_ff
+        down_rb = ck.F.row_bytes(down_type, n_ff)
         acc = np.zeros(n_embd, np.float32)
         for k in range(offs.shape[0]):
             gate = a[offs[k, 0]:offs[k, 0] + n_ff * gate_rb].reshape(n_ff, gate_rb)
             up = a[offs[k, 1]:offs[k, 1] + n_ff * gate_rb].reshape(n_ff, gate_rb)
-            down_rb = ck.F.row_bytes(down_type, n_ff)
             down = a[offs[k, 2]:offs[k, 2] + n_embd * down_rb].reshape(n_embd, down_rb)
             g = np.minimum(ck.matvec(gate, gate_type, xv), np.float32(clamp))
             u = np.clip(ck.matvec(up, gate_type, xv), -np.float32(clamp), np.float32(clamp))
             mid = (g / (1 + np.exp(-g)) * u * rw[k]).astype(np.float32)
             acc += ck.matvec(down, down_type, mid)
+        return acc
+
+    @staticmethod
+    def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
+                    clamp, out, stream=0):
+        """Each token as moe_decode (the GPU kernel's rows are bitwise moe_decode's)."""
+        a = _host_arena(arena)
+        table = np.asarray(expert_table, np.int64)
+        ids = np.asarray(expert_ids, np.int32)
+        x = _host(X).astype(np.float32).reshape(-1, n_embd)
+        rw = _host(route_w).reshape(x.shape[0], -1)
+        res = np.stack([HostQuantKernels._moe_token(a, table[ids[t]], gate_type, down_type, x[t], rw[t],
+                                                    clamp, n_ff) for t in range(x.shape[0])])
+        HostQuantKernels._put(out, res)
+
+    @staticmethod
+    def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out, ws, stream=0):
+        acc = HostQuantKernels._moe_token(_host_arena(arena), _host(slot_offsets), gate_type, down_type,
+                                          _host(x).astype(np.float32), _host(route_w), clamp, ws.n_ff)
         out.copy_to_device(acc)
 
 
