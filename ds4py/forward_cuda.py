@@ -172,7 +172,7 @@ class CudaEngine:
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
 
-    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = 256):
+    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = 512):
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx
