@@ -166,6 +166,29 @@ class HostQuantKernels:
         out.copy_to_device(acc)
 
 
+class HostHcMix:
+    """Host stand-in for ops.hc_mix_partial in the prefill mode: the simulator spends most of a
+    run in its (rows x chunks x tokens) blocks. Same launch interface and outputs (partial dots and
+    Σx² per chunk, written into the views the engine passes), so the engine's wiring of the HC
+    mixer is still exercised; the kernel itself is checked with T > 1 in cuda_ops_sim_checks.py."""
+
+    def __getitem__(self, launch):
+        n_rows = launch[0][0]
+
+        def run(state, w16, fn_off, chunk_len, part_dot, part_sq):
+            st = _host(state).astype(np.float64)
+            n_tok, n_hc, n_embd = st.shape
+            flat = st.reshape(n_tok, n_hc * n_embd)
+            w = _host_arena(w16)[fn_off:fn_off + n_rows * n_hc * n_embd].astype(np.float64)
+            w = w.reshape(n_rows, -1)
+            n_chunks = flat.shape[1] // chunk_len
+            fc_ = flat.reshape(n_tok, n_chunks, chunk_len)
+            dots = np.einsum("rcj,tcj->trc", w.reshape(n_rows, n_chunks, chunk_len), fc_)
+            part_dot._ary[...] = dots.astype(np.float32)
+            part_sq._ary[...] = (fc_ ** 2).sum(-1)
+        return run
+
+
 class FileArenaSource:
     """The whole file as one device arena: dense tensors and experts at their file offsets."""
 
@@ -231,6 +254,7 @@ def main_prefill(n_tokens, chunk):
     import dataclasses
     fc.qk = HostQuantKernels
     from ds4py.forward_cpu import CpuEngine
+    ops.hc_mix_partial = HostHcMix()
     spec = dataclasses.replace(synth.preset_spec("tiny"), n_swa=8, idx_topk=2)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/small.gguf"
@@ -246,6 +270,7 @@ def main_prefill(n_tokens, chunk):
         batched = fc.CudaEngine(model, source, 64, prefill_chunk=chunk)
         got = batched.prefill(prompt)
         assert batched.n_past == n_tokens
+        print(f"batched prefill vs CPU engine (first look): {_compare(got, want)[2]}", flush=True)
         got_next = batched.decode(nxt)
         by_token = fc.CudaEngine(model, source, 64, prefill_chunk=chunk)
         ref = by_token.prefill_by_token(prompt)
