@@ -13,6 +13,7 @@ pairs and for the byte offsets of the selected experts.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -84,65 +85,94 @@ def fill_device(array, value, stream) -> None:
 
 
 class Scratch:
-    """Every activation buffer of one decode step, allocated once (graphs bake addresses in)."""
+    """Every activation buffer of up to n_tok tokens, allocated once (graphs bake addresses in).
 
-    def __init__(self, spec, max_rows: int):
+    Per-token buffers are [n_tok, ...]; `view(T)` gives the first T tokens of each (and the
+    views derived from them: the halves of pair outputs, the group-major attention output), which
+    is what the kernels and matmuls of a chunk of T tokens take. Decode uses n_tok = 1."""
+
+    def __init__(self, spec, max_rows: int, n_tok: int, n_splits: int):
         f32, i8, i32 = np.float32, np.int8, np.int32
         d = cuda.device_array
         s = spec
+        P = n_tok
+        self.spec, self.n_tok = s, n_tok
         q_dim = s.n_head * s.head_dim
-        self.state = d((s.n_hc, s.n_embd), f32)
         self.hc_chunk = ops.hc_chunk(s.n_embd)
         n_chunks = s.n_hc * s.n_embd // self.hc_chunk
         assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
-        self.part_dot = d((s.hc_mix, n_chunks), f32)
-        self.part_sq = d(n_chunks, np.float64)
-        self.post = d(s.n_hc, f32)
-        self.comb = d(s.n_hc * s.n_hc, f32)
-        self.x, self.xq, self.xd = d(s.n_embd, f32), d(s.n_embd, i8), d(s.n_embd // 32, f32)
-        # outputs of two projections launched together are halves of one buffer
-        self.qr_kv = d(s.q_lora + s.head_dim, f32)
-        self.qr, self.kv = self.qr_kv[:s.q_lora], self.qr_kv[s.q_lora:]
-        self.qrn, self.qrn_q, self.qrn_d = d(s.q_lora, f32), d(s.q_lora, i8), d(s.q_lora // 32, f32)
-        self.q = d(q_dim, f32)
-        self.comp_pair = d(4 * s.head_dim, f32)      # a compressor's kv and gate projections
-        self.icomp_pair = d(4 * s.idx_dim, f32)
-        self.iq = d(s.n_ihead * s.idx_dim, f32)
-        self.head_w = d(s.n_ihead, f32)
-        self.scores = d(max_rows, f32)
-        self.selected = d(s.idx_topk, i32)
-        self.n_selected = d(1, i32)
-        self.attn = d(q_dim, f32)
-        self.part_max = d((s.n_head, ops.ATTN_SPLITS), f32)
-        self.part_den = d((s.n_head, ops.ATTN_SPLITS), f32)
-        self.part_acc = d((s.n_head, ops.ATTN_SPLITS, s.head_dim), f32)
-        self.attn_q, self.attn_d = d(q_dim, i8), d(q_dim // 32, f32)
-        self.low = d(s.n_group * s.o_lora, f32)
-        self.low_q, self.low_d = d(s.n_group * s.o_lora, i8), d(s.n_group * s.o_lora // 32, f32)
-        self.f_attn = d(s.n_embd, f32)
-        self.zeros = cuda.to_device(np.zeros(s.n_embd, f32))
-        self.router = d(s.n_exp, f32)
-        self.expert_ids = d(s.n_used, i32)
-        self.route_w = d(s.n_used, f32)
-        self.slot_offsets = d((s.n_used, 3), np.int64)
-        self.moe_out = d(s.n_embd, f32)
-        self.sh_gate_up = d(2 * s.n_ff, f32)
-        self.sh_gate, self.sh_up = self.sh_gate_up[:s.n_ff], self.sh_gate_up[s.n_ff:]
-        self.sh_mid, self.sh_q, self.sh_d = d(s.n_ff, f32), d(s.n_ff, i8), d(s.n_ff // 32, f32)
-        self.sh_out = d(s.n_embd, f32)
+        # [n_tok, ...] buffers
+        self.tok = dict(
+            state=d((P, s.n_hc, s.n_embd), f32),
+            part_dot=d((P, s.hc_mix, n_chunks), f32), part_sq=d((P, n_chunks), np.float64),
+            post=d((P, s.n_hc), f32), comb=d((P, s.n_hc * s.n_hc), f32),
+            x=d((P, s.n_embd), f32), xq=d((P, s.n_embd), i8), xd=d((P, s.n_embd // 32), f32),
+            qr_kv=d((P, s.q_lora + s.head_dim), f32),     # q_a and kv projections, one launch
+            qrn=d((P, s.q_lora), f32), qrn_q=d((P, s.q_lora), i8), qrn_d=d((P, s.q_lora // 32), f32),
+            q=d((P, q_dim), f32),
+            iq=d((P, s.n_ihead * s.idx_dim), f32), head_w=d((P, s.n_ihead), f32),
+            scores=d((P, max_rows), f32), selected=d((P, s.idx_topk), i32), n_selected=d(P, i32),
+            part_max=d((P, s.n_head, n_splits), f32), part_den=d((P, s.n_head, n_splits), f32),
+            part_acc=d((P, s.n_head, n_splits, s.head_dim), f32),
+            f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
+            router=d((P, s.n_exp), f32), expert_ids=d((P, s.n_used), i32), route_w=d((P, s.n_used), f32),
+            slot_offsets=d((P, s.n_used, 3), np.int64), moe_out=d((P, s.n_embd), f32),
+            sh_gate_up=d((P, 2 * s.n_ff), f32),
+            sh_mid=d((P, s.n_ff), f32), sh_q=d((P, s.n_ff), i8), sh_d=d((P, s.n_ff // 32), f32),
+            sh_out=d((P, s.n_embd), f32),
+            pos=cuda.to_device(np.zeros(P, i32)), token=cuda.to_device(np.zeros(P, i32)),
+        )
+        # flat buffers of n_tok · width values (viewed per chunk as [T, width] or group-major)
+        self.flat = dict(
+            comp_pair=(d(P * 4 * s.head_dim, f32), 4 * s.head_dim),    # a compressor's kv and gate
+            icomp_pair=(d(P * 4 * s.idx_dim, f32), 4 * s.idx_dim),
+            attn=(d(P * q_dim, f32), q_dim), attn_q=(d(P * q_dim, i8), q_dim),
+            attn_d=(d(P * q_dim // 32, f32), q_dim // 32),
+            low=(d(P * s.n_group * s.o_lora, f32), s.n_group * s.o_lora),      # group-major
+            low_tok=(d(P * s.n_group * s.o_lora, f32), s.n_group * s.o_lora),  # token-major
+            low_q=(d(P * s.n_group * s.o_lora, i8), s.n_group * s.o_lora),
+            low_d=(d(P * s.n_group * s.o_lora // 32, f32), s.n_group * s.o_lora // 32),
+        )
         self.logits = d(s.n_vocab, f32)
         self.next_token = d(1, i32)
         self.argmax_val, self.argmax_idx = d(ops.ARGMAX_BLOCKS, f32), d(ops.ARGMAX_BLOCKS, i32)
         self.forbid = cuda.to_device(np.full(1, -1, i32))
-        self.pos = cuda.to_device(np.zeros(1, i32))
-        self.token = cuda.to_device(np.zeros(1, i32))
-        self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff)
+        self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff) if n_tok == 1 else None
+        self._views = {}
+
+    def view(self, T: int):
+        """The buffers of the first T tokens, as attributes (cached per T)."""
+        v = self._views.get(T)
+        if v is not None:
+            return v
+        assert 1 <= T <= self.n_tok
+        s = self.spec
+        v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, logits=self.logits, next_token=self.next_token,
+                            argmax_val=self.argmax_val, argmax_idx=self.argmax_idx, forbid=self.forbid,
+                            moe_work=self.moe_work)
+        for name, a in self.tok.items():
+            setattr(v, name, a[:T])
+        for name, (a, width) in self.flat.items():
+            setattr(v, name, a[:T * width])
+        v.qr, v.kv = v.qr_kv[:, :s.q_lora], v.qr_kv[:, s.q_lora:]
+        v.sh_gate, v.sh_up = v.sh_gate_up[:, :s.n_ff], v.sh_gate_up[:, s.n_ff:]
+        self._views[T] = v
+        return v
 
 
 class CudaEngine:
-    """prefill(tokens) / decode(token) on the GPU, with the same interface as the CPU engine."""
+    """prefill(tokens) / decode(token) on the GPU, with the same interface as the CPU engine.
 
-    def __init__(self, model, source, n_ctx: int):
+    Decode is one captured graph per step (T = 1 buffers). Prefill with experts resident in the
+    arena (device / host-mapped sources) is batched: chunks of up to `prefill_chunk` tokens go
+    through the model layer by layer, the projections as matmuls, the per-token kernels with one
+    block row per token, the routed experts through moe_prefill (one host sync per layer for the
+    expert ids), and the output head on the last prompt token only. Sources that page experts
+    through a VRAM expert cache (`experts_resident` False) still prefill token by token."""
+
+    PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
+
+    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = 512):
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx
@@ -159,14 +189,21 @@ class CudaEngine:
         self.i32 = self.arena.view(np.int32)
         self.freqs_dense = cuda.to_device(rope_freqs(s, False))
         self.freqs_comp = cuda.to_device(rope_freqs(s, True))
-        self.layers = [LayerState(s, il, n_ctx, s.n_swa) for il in range(s.n_layer)]
-        self.buf = Scratch(s, n_ctx // 4 + 2)
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        # the raw ring holds the window plus a whole chunk: a chunk's KV rows are all written before
+        # its attention runs, and none may overwrite a row an earlier token of the chunk still reads
+        self.layers = [LayerState(s, il, n_ctx, s.n_swa + self.prefill_chunk) for il in range(s.n_layer)]
+        self.max_rows = n_ctx // 4 + 2
+        self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS)
+        self.buf = self.scratch.view(1)
+        self._prefill_scratch = None        # allocated by the first batched prefill
         # Experts resident in the arena (device / host-mapped sources): the router kernel computes
         # their offsets on the device. Otherwise the host fetches them into the expert cache.
         self.experts_resident = source.expert_base(0) is not None
         self._zero_bases = cuda.to_device(np.zeros(6, np.int64))     # router offsets unused: cache path
         self.expert_bases = [cuda.to_device(np.asarray(tuple(source.expert_base(il)), dtype=np.int64))
                              if self.experts_resident else None for il in range(s.n_layer)]
+        self._expert_tables = {}
         self._n_past = 0
         self._forbid = -1
         self.skip: set[str] = set()
@@ -188,6 +225,16 @@ class CudaEngine:
 
     def info(self, name: str):
         return self.model.file.tensors[name]
+
+    def expert_table(self, il: int) -> np.ndarray:
+        """Host int64[n_exp, 3]: byte offsets (gate, up, down) of every expert of layer il (resident
+        experts only), for moe_prefill."""
+        table = self._expert_tables.get(il)
+        if table is None:
+            g, u, dn, gs, us, ds = (int(v) for v in self.source.expert_base(il))
+            e = np.arange(self.spec.n_exp, dtype=np.int64)
+            table = self._expert_tables[il] = np.stack([g + e * gs, u + e * us, dn + e * ds], axis=1)
+        return table
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -213,187 +260,227 @@ class CudaEngine:
         self._n_past = n_past
         self.stream.synchronize()
 
-    # ---- one decode step as launches -------------------------------------------------------------
+    # ---- launches for T tokens (T = 1: the decode step) -----------------------------------------
 
-    def _matvec(self, name: str, x_f32, xq, xd, out, x_offset: int = 0, rows=None, row0: int = 0):
-        """out = W[name] · x with ds4's numerics for W's type (Q8_0 on xq/xd, F16 on x_f32)."""
+    def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None):
+        """out[t] = W[name] · x[t] for T tokens with ds4's numerics for W's type (Q8_0 on xq/xd, F16
+        on x_f32); rows/row0/k select a block of rows and a shorter input (grouped projection)."""
         info = self.info(name)
-        k = info.ne[0]
+        k = k if k is not None else info.ne[0]
         n_rows = rows if rows is not None else info.ne[1]
         off = self.off(name) + row0 * info.row_bytes
         if info.ggml_type == GGML_Q8_0:
-            qk.matvec_q8_0(self.arena, off, n_rows, k, xq[x_offset:x_offset + k],
-                           xd[x_offset // 32:(x_offset + k) // 32], out, self.stream)
+            qk.matmul_q8_0(self.arena, off, n_rows, k, T, xq, xd, out, self.stream)
         elif info.ggml_type == GGML_F16:
-            qk.matvec_f16(self.arena, off, n_rows, k, x_f32[x_offset:x_offset + k], out, self.stream)
+            qk.matmul_f16(self.arena, off, n_rows, k, T, x_f32, out, self.stream)
         else:
-            raise ValueError(f"{name}: no matvec for type {info.type_name}")
+            raise ValueError(f"{name}: no matmul for type {info.type_name}")
 
-    def _matvec_pair(self, name_a: str, name_b: str, x_f32, xq, xd, out):
-        """out = concat(W[name_a] · x, W[name_b] · x): one launch when both have the same type and
-        row length (the usual case), two otherwise."""
+    def _proj_pair(self, name_a: str, name_b: str, x_f32, xq, xd, out, T: int):
+        """out[t] = concat(W[name_a] · x[t], W[name_b] · x[t]) ([T, rows_a + rows_b]): one launch when
+        both have the same type and row length (the usual case), two otherwise (one token only)."""
         a, b = self.info(name_a), self.info(name_b)
         rows_a, rows_b = a.ne[1], b.ne[1]
         if a.ggml_type == b.ggml_type and a.ne[0] == b.ne[0] and a.ggml_type in (GGML_Q8_0, GGML_F16):
             if a.ggml_type == GGML_Q8_0:
-                qk.matvec_q8_0_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
-                                    xq, xd, out, self.stream)
+                qk.matmul_q8_0_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
+                                    T, xq, xd, out, self.stream)
             else:
-                qk.matvec_f16_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
-                                   x_f32, out, self.stream)
+                qk.matmul_f16_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
+                                   T, x_f32, out, self.stream)
             return
-        self._matvec(name_a, x_f32, xq, xd, out[:rows_a])
-        self._matvec(name_b, x_f32, xq, xd, out[rows_a:rows_a + rows_b])
+        if T != 1:
+            raise NotImplementedError(f"{name_a} / {name_b}: batched pair of different types")
+        self._proj(name_a, x_f32, xq, xd, out[0, :rows_a], 1)
+        self._proj(name_b, x_f32, xq, xd, out[0, rows_a:rows_a + rows_b], 1)
 
-    def _hc_pre(self, prefix: str, sub: str, norm_name: str):
+    def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
         """Sublayer input from the HC state: the mixer's partial dots, then hc_pre."""
-        s, b, st = self.spec, self.buf, self.stream
-        self._hc_mix(self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
-        ops.hc_pre[2, ops.wide_block(), st](b.state, b.part_dot[:s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
-                                 self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
-                                 s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
+        s, st = self.spec, self.stream
+        self._hc_mix(b, b.state, self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
+        ops.hc_pre[(2, b.T), ops.wide_block(), st](
+            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
+            self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
+            s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
-    def _hc_mix(self, fn_off16: int, n_rows: int):
+    def _hc_mix(self, b, state, fn_off16: int, n_rows: int):
         """mix = fn · RMS-normalised flat state, as partial dots over chunks of the flat state; the
-        consumer (hc_pre, hc_head) adds the partials."""
-        b, st = self.buf, self.stream
-        n_chunks = b.part_dot.shape[1]
-        ops.hc_mix_partial[(n_rows, n_chunks), BLOCK, st](b.state, self.w16, fn_off16, b.hc_chunk,
-                                                          b.part_dot[:n_rows], b.part_sq)
+        consumer (hc_pre, hc_head) adds the partials. state: [T', n_hc, n_embd], T' <= b.T."""
+        n_tok = state.shape[0]
+        n_chunks = b.part_dot.shape[2]
+        ops.hc_mix_partial[(n_rows, n_chunks, n_tok), BLOCK, self.stream](
+            state, self.w16, fn_off16, b.hc_chunk, b.part_dot[:n_tok, :n_rows], b.part_sq[:n_tok])
 
-    def _attention(self, il: int):
-        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+    def _attention(self, b, il: int, pos0=None):
+        """The attention sublayer for b.T tokens; pos0 (prefill) is the chunk's first position, known
+        on the host; None in the decode graph, where everything position-dependent is decided on
+        the device."""
+        s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
         ratio = layer.ratio
+        T = b.T
         freqs = self.freqs_comp if ratio else self.freqs_dense
         if self._on("hc"):
-            self._hc_pre(p, "attn", p + "attn_norm.weight")
+            self._hc_pre(b, p, "attn", p + "attn_norm.weight")
         if self._on("attn_proj"):
-            self._attn_proj(il, freqs)
+            self._attn_proj(b, il, freqs)
         if ratio and self._on("compress"):
-            self._compressor(p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
+            self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
                              layer.kv_state, layer.score_state, layer.comp, False)
+        # the indexer selects only once a token sees more than idx_topk rows; a prefill chunk
+        # whose tokens all see fewer attends to every compressed row (the same rows)
+        use_selected = ratio == 4 and (pos0 is None or (pos0 + T) // 4 > s.idx_topk)
         if ratio == 4 and self._on("index"):
-            self._indexer(il, freqs)
+            self._indexer(b, il, freqs, pos0, use_selected)
         if self._on("attention"):
             # head groups x row ranges (fixed for the graph; ranges past the visible rows write neutral
-            # partials), then (head, 2*COMBINE_THREADS dims) blocks for the merge
+            # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
             groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
-            ops.attention_partial[(groups, ops.ATTN_SPLITS), ops.ATTN_THREADS, st](
+            n_splits = b.part_max.shape[2]
+            ops.attention_partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                 b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
-                s.n_swa, ratio, ratio == 4, s.head_dim, b.part_max, b.part_den, b.part_acc)
+                s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
-            ops.attention_combine[(s.n_head, dim_blocks), ops.COMBINE_THREADS, st](
+            ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
-                s.head_dim, s.n_rot, freqs, b.attn)
+                s.head_dim, s.n_rot, freqs, s.n_group, b.attn)
         if self._on("attn_out"):
-            self._attn_out(il)
+            self._attn_out(b, il)
         if self._on("hc"):
-            ops.hc_post[16, BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
+            ops.hc_post[(16, T), BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
 
-    def _attn_proj(self, il: int, freqs):
-        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+    def _attn_proj(self, b, il: int, freqs):
+        s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
-        self._matvec_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv)
-        ops.rmsnorm_q8[1, BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
-                                     b.qrn, b.qrn_q, b.qrn_d)
-        self._matvec(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q)
-        ops.q_heads[s.n_head, BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
-        ops.kv_finish[1, BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
-                                    b.pos, freqs, s.n_rot, layer.raw)
+        T = b.T
+        self._proj_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv, T)
+        ops.rmsnorm_q8[(1, T), BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
+                                          b.qrn, b.qrn_q, b.qrn_d)
+        self._proj(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, T)
+        ops.q_heads[(s.n_head, T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
+        ops.kv_finish[(1, T), BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
+                                         b.pos, freqs, s.n_rot, layer.raw)
 
-    def _indexer(self, il: int, freqs):
-        """The indexer lane's compressor, then the top-idx_topk selection of compressed rows."""
-        s, b, st, layer = self.spec, self.buf, self.stream, self.layers[il]
+    def _indexer(self, b, il: int, freqs, pos0, use_selected: bool):
+        """The indexer lane's compressor, then (when it selects) the top-idx_topk selection of
+        compressed rows per token."""
+        s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
-        self._compressor(p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
+        T = b.T
+        self._compressor(b, p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
                          layer.ikv_state, layer.iscore_state, layer.icomp, True)
-        self._matvec(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq)
-        ops.indexer_q[s.n_ihead, max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
-        self._matvec(p + "indexer.proj.weight", b.x, None, None, b.head_w)
-        max_rows = b.scores.shape[0]
-        ops.indexer_scores[max_rows, 64, st](
+        if not use_selected:
+            return
+        self._proj(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq, T)
+        ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
+        self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
+        # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
+        n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
+        ops.indexer_scores[(n_rows, T), 64, st](
             b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
             s.n_ihead, s.idx_dim, b.scores)
-        ops.indexer_select[1, BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
-                                         b.selected, b.n_selected)
+        ops.indexer_select[(1, T), BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
+                                              b.selected, b.n_selected)
 
-    def _attn_out(self, il: int):
-        """Grouped low-rank output: 8 groups of heads through their o_lora slices, then out_b."""
-        s, b, st = self.spec, self.buf, self.stream
+    def _attn_out(self, b, il: int):
+        """Grouped low-rank output: 8 groups of heads through their o_lora slices, then out_b. The
+        attention output is group-major, so group g's T input rows are one contiguous block."""
+        s, st = self.spec, self.stream
         p = f"blk.{il}."
+        T = b.T
         q_dim = s.n_head * s.head_dim
         qk.quantize_q8_0(b.attn, b.attn_q, b.attn_d, st)
         group_in = q_dim // s.n_group
         name = p + "attn_output_a.weight"
-        if self.info(name).ggml_type == GGML_Q8_0:       # the 8 groups in one launch
+        if T == 1 and self.info(name).ggml_type == GGML_Q8_0:       # decode: the 8 groups in one launch
             qk.matvec_q8_0_grouped(self.arena, self.off(name), s.n_group * s.o_lora, group_in, s.n_group,
                                    b.attn_q, b.attn_d, b.low, self.stream)
         else:
             for g in range(s.n_group):
-                self._matvec(name, b.attn, b.attn_q, b.attn_d, b.low[g * s.o_lora:(g + 1) * s.o_lora],
-                             x_offset=g * group_in, rows=s.o_lora, row0=g * s.o_lora)
-        qk.quantize_q8_0(b.low, b.low_q, b.low_d, st)
-        self._matvec(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn)
+                x0 = g * T * group_in
+                self._proj(name, b.attn[x0:x0 + T * group_in], b.attn_q[x0:x0 + T * group_in],
+                           b.attn_d[x0 // 32:(x0 + T * group_in) // 32],
+                           b.low[g * T * s.o_lora:(g + 1) * T * s.o_lora], T,
+                           rows=s.o_lora, row0=g * s.o_lora, k=group_in)
+        if T == 1:                          # group-major is token-major for one token
+            low = b.low
+        else:
+            low_w = s.n_group * s.o_lora
+            ops.groups_to_tokens[((low_w + BLOCK - 1) // BLOCK, T), BLOCK, st](b.low, s.n_group, s.o_lora,
+                                                                               b.low_tok)
+            low = b.low_tok
+        qk.quantize_q8_0(low, b.low_q, b.low_d, st)
+        self._proj(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn, T)
 
     def _on(self, group: str) -> bool:
         """False for a group of launches left out while profiling (see profile())."""
         return group not in self.skip
 
-    def _compressor(self, prefix, ratio, head_dim, freqs, pair, kv_state, score_state, cache,
+    def _compressor(self, b, prefix, ratio, head_dim, freqs, pair_flat, kv_state, score_state, cache,
                     indexer_lane):
-        s, b, st = self.spec, self.buf, self.stream
+        s, st = self.spec, self.stream
+        T = b.T
         width = (2 if ratio == 4 else 1) * head_dim
-        self._matvec_pair(prefix + "_kv.weight", prefix + "_gate.weight", b.x, None, None, pair[:2 * width])
-        kv_t, sc_t = pair[:width], pair[width:2 * width]
+        pair = pair_flat[:T * 2 * width].reshape(T, 2 * width)
+        self._proj_pair(prefix + "_kv.weight", prefix + "_gate.weight", b.x, None, None, pair, T)
         threads = BLOCK if head_dim <= BLOCK else ops.BLOCK2    # its scratch holds BLOCK2
         assert head_dim <= ops.BLOCK2, "compressor_step handles head_dim <= BLOCK2"
         ops.compressor_step[1, threads, st](
-            kv_t, sc_t, self.w16, self.off16(prefix + "_ape.weight"), self.w32,
+            pair[:, :width], pair[:, width:], self.w16, self.off16(prefix + "_ape.weight"), self.w32,
             self.off32(prefix + "_norm.weight"), s.rms_eps, b.pos, ratio, head_dim, s.n_rot, freqs,
             indexer_lane, kv_state, score_state, cache)
 
-    def _ffn_route(self, il: int):
-        s, b, st = self.spec, self.buf, self.stream
+    def _ffn_route(self, b, il: int):
+        s, st = self.spec, self.stream
         p = f"blk.{il}."
         if self._on("hc"):
-            self._hc_pre(p, "ffn", p + "ffn_norm.weight")
+            self._hc_pre(b, p, "ffn", p + "ffn_norm.weight")
         if not self._on("router"):
             return
-        self._matvec(p + "ffn_gate_inp.weight", b.x, None, None, b.router)
+        self._proj(p + "ffn_gate_inp.weight", b.x, None, None, b.router, b.T)
         is_hash = il < s.n_hash
         has_bias = (p + "exp_probs_b.bias") in self.model.file.tensors
-        ops.route[1, BLOCK, st](
+        ops.route[(1, b.T), BLOCK, st](
             b.router, b.token, self.w32, self.off32(p + "exp_probs_b.bias") if has_bias else 0, has_bias,
             self.i32, self.off(p + "ffn_gate_tid2eid.weight") // 4 if is_hash else 0, is_hash, s.n_used,
             s.expert_weights_scale, self.expert_bases[il] if self.expert_bases[il] is not None
             else self._zero_bases, b.expert_ids, b.route_w, b.slot_offsets)
 
-    def _ffn_experts(self, il: int):
-        s, b, st = self.spec, self.buf, self.stream
+    def _ffn_experts(self, b, il: int, expert_ids_host=None):
+        """Routed experts (decode: moe_decode on the device-side slot offsets; prefill: moe_prefill
+        with the ids on the host), the shared expert, HC post."""
+        s, st = self.spec, self.stream
         p = f"blk.{il}."
+        T = b.T
         clamp = s.swiglu_clamp[il]
         arena = self.source.expert_arena
         gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
         down_type = self.info(p + "ffn_down_exps.weight").ggml_type
         if self._on("moe"):
-            qk.moe_decode(arena, b.slot_offsets, gate_type, down_type, b.x, b.route_w, clamp, b.moe_out,
-                          b.moe_work, st)
+            if expert_ids_host is None:
+                qk.moe_decode(arena, b.slot_offsets[0], gate_type, down_type, b.x[0], b.route_w[0], clamp,
+                              b.moe_out[0], b.moe_work, st)
+            else:
+                qk.moe_prefill(arena, self.expert_table(il), gate_type, down_type, s.n_embd, s.n_ff, b.x,
+                               expert_ids_host, b.route_w, clamp, b.moe_out, st)
         if self._on("shared"):
-            self._matvec_pair(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.x, b.xq, b.xd,
-                              b.sh_gate_up)
-            ops.swiglu_q8[1, ops.wide_block(), st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
-            self._matvec(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out)
+            self._proj_pair(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.x, b.xq, b.xd,
+                            b.sh_gate_up, T)
+            ops.swiglu_q8[(1, T), ops.wide_block(), st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
+            self._proj(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out, T)
         if self._on("hc"):
-            ops.hc_post[16, BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
+            ops.hc_post[(16, T), BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
 
-    def _head(self):
-        s, b, st = self.spec, self.buf, self.stream
-        self._hc_mix(self.off16("output_hc_fn.weight"), s.n_hc)
-        ops.hc_head[1, ops.wide_block(), st](b.state, b.part_dot[:s.n_hc], b.part_sq, self.w32, self.off32("output_hc_scale.weight"),
-                                  self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
-                                  s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
-        self._matvec("output.weight", None, b.xq, b.xd, b.logits)
+    def _head(self, b):
+        """Output head of b's last token: logits, then the greedy pick."""
+        s, st = self.spec, self.stream
+        state = b.state[b.T - 1:b.T]
+        self._hc_mix(b, state, self.off16("output_hc_fn.weight"), s.n_hc)
+        ops.hc_head[(1, 1), ops.wide_block(), st](
+            state, b.part_dot[:1, :s.n_hc], b.part_sq[:1], self.w32, self.off32("output_hc_scale.weight"),
+            self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
+            s.hc_eps, s.rms_eps, b.x[:1], b.xq[:1], b.xd[:1])
+        self._proj("output.weight", None, b.xq[:1], b.xd[:1], b.logits, 1)
         ops.argmax_partial[ops.ARGMAX_BLOCKS, BLOCK, st](b.logits, b.forbid, b.argmax_val, b.argmax_idx)
         ops.argmax_finish[1, BLOCK, st](b.argmax_val, b.argmax_idx, b.next_token)
 
@@ -404,19 +491,19 @@ class CudaEngine:
         segments = []
 
         def first():
-            ops.embed[16, BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
-                                     s.n_hc, b.state)
-            self._attention(0)
-            self._ffn_route(0)
+            ops.embed[(16, 1), BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
+                                          s.n_hc, b.state)
+            self._attention(b, 0)
+            self._ffn_route(b, 0)
         segments.append(first)
         for il in range(s.n_layer):
             def middle(il=il):
-                self._ffn_experts(il)
+                self._ffn_experts(b, il)
                 if il + 1 < s.n_layer:
-                    self._attention(il + 1)
-                    self._ffn_route(il + 1)
+                    self._attention(b, il + 1)
+                    self._ffn_route(b, il + 1)
                 elif self._on("head"):
-                    self._head()
+                    self._head(b)
             segments.append(middle)
         return segments
 
@@ -478,10 +565,10 @@ class CudaEngine:
     def _fetch_experts(self, il: int) -> None:
         """Cache path: read the selected ids, make those experts resident, write their offsets."""
         b = self.buf
-        ids = b.expert_ids.copy_to_host(stream=self.stream)
+        ids = b.expert_ids.copy_to_host(stream=self.stream)[0]
         self.stream.synchronize()
         offsets = np.ascontiguousarray(self.source.fetch_experts(il, ids, stream=self.stream), dtype=np.int64)
-        b.slot_offsets.copy_to_device(offsets, stream=self.stream)
+        b.slot_offsets[0].copy_to_device(offsets, stream=self.stream)
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token at position n_past and return its logits (float32[n_vocab])."""
@@ -504,11 +591,55 @@ class CudaEngine:
         return int(out[0])
 
     def prefill(self, tokens) -> np.ndarray:
-        """Evaluate a prompt; returns the logits of its last token."""
+        """Evaluate a prompt at positions n_past.. and return the logits of its last token.
+
+        Resident experts: batched, in chunks of up to prefill_chunk tokens (prefill_batched). The
+        expert-cache sources (page-cache / stream) keep the token-by-token decode path for now: a
+        chunk would need the union of its tokens' experts resident at once."""
+        tokens = [int(t) for t in tokens]
+        if self.experts_resident and len(tokens) > 1:
+            return self.prefill_batched(tokens)
+        return self.prefill_by_token(tokens)
+
+    def prefill_by_token(self, tokens) -> np.ndarray:
+        """The prompt as a sequence of decode steps (the reference for prefill_batched)."""
         for token in tokens[:-1]:
             self._step(int(token), self._n_past)
             self._n_past += 1
         return self.decode(int(tokens[-1]))
+
+    def prefill_batched(self, tokens, chunk: int | None = None) -> np.ndarray:
+        """Chunks of up to `chunk` (<= prefill_chunk) tokens, each through the model layer by layer
+        with the same kernels as decode (T tokens per launch); the output head runs for the last
+        prompt token only. Launched eagerly (few launches per chunk); one host sync per layer reads
+        the chunk's expert ids for moe_prefill. Resident experts only."""
+        if not self.experts_resident:
+            raise RuntimeError("prefill_batched needs the experts resident in the arena")
+        P = min(chunk or self.prefill_chunk, self.prefill_chunk)
+        if self._prefill_scratch is None:
+            self._prefill_scratch = Scratch(self.spec, self.max_rows, self.prefill_chunk, self.PREFILL_SPLITS)
+        s, st = self.spec, self.stream
+        b = None
+        for start in range(0, len(tokens), P):
+            part = tokens[start:start + P]
+            T = len(part)
+            b = self._prefill_scratch.view(T)
+            pos0 = self._n_past
+            b.token.copy_to_device(np.asarray(part, np.int32), stream=st)
+            b.pos.copy_to_device(np.arange(pos0, pos0 + T, dtype=np.int32), stream=st)
+            ops.embed[(16, T), BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
+                                          s.n_hc, b.state)
+            for il in range(s.n_layer):
+                self._attention(b, il, pos0)
+                self._ffn_route(b, il)
+                ids = b.expert_ids.copy_to_host(stream=st)
+                st.synchronize()
+                self._ffn_experts(b, il, ids)
+            self._n_past += T
+        self._head(b)
+        logits = b.logits.copy_to_host(stream=st)
+        st.synchronize()
+        return logits
 
     GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
               "shared", "head")

@@ -485,6 +485,12 @@ def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream
     _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, xq, xd, out, stream)
 
 
+def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0):
+    """Two Q8_0 matrices with the same n_tok inputs in one launch: out[t] = concat(A · X[t], B · X[t])
+    (out f32[n_tok, rows_a + rows_b]); with n_tok = 1 it is matvec_q8_0_pair."""
+    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, xq, xd, out, stream)
+
+
 def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0):
     """Grouped projection in one launch: rows split into n_groups equal groups, group k computes
     W[group k rows] · x[k*K:(k+1)*K] (x holds n_groups*K values)."""
@@ -525,6 +531,11 @@ def matvec_f16(arena, off, rows, K, x, out, stream=0):
 def matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, x, out, stream=0):
     """Two F16 matrices with the same input in one launch: out = concat(A · x, B · x)."""
     _launch_f16(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, x, out, stream)
+
+
+def matmul_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, X, out, stream=0):
+    """Two F16 matrices with the same n_tok inputs in one launch: out[t] = concat(A · X[t], B · X[t])."""
+    _launch_f16(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, X, out, stream)
 
 
 # ============================================================================================

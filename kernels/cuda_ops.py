@@ -7,7 +7,13 @@ QAT simulations, the KV compressors, the indexer, sink attention, the router and
 Decode-graph rules (kernels-and-numba.md §5.6): every per-token value (position, token id) is read
 from a device buffer, never passed as a Python scalar, so a captured graph replays correctly for
 every token; kernels whose work depends on the position (compressor emission, number of visible
-rows) decide on the device. Reductions use warp shuffles on the GPU and shared memory in the CUDA
+rows) decide on the device.
+
+Token dimension (batched prefill): per-token activations are 2-D device arrays [T, n] (the HC
+state [T, n_hc, n_embd]) and positions / token ids are arrays of T values (pos_buf[t] = pos0 + t).
+A kernel takes token t from cuda.blockIdx.y (blockIdx.z where x and y are taken); decode launches
+the same kernels with T = 1 buffers and one block row. The one kernel whose state changes in token
+order, compressor_step, loops over the T tokens in order inside its single block. Reductions use warp shuffles on the GPU and shared memory in the CUDA
 simulator (which has no shuffles), so the same kernels are checked on machines without a GPU.
 
 Weights arrive as typed views of a uint8 arena plus an element offset (`w16`/`w32` float16/float32
@@ -242,12 +248,13 @@ def quantize_q8_0_block_values(vals, q_out, d_out):
 
 @cuda.jit(cache=True)
 def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
-    """state[h] = f16->f32(token_embd[token]) for every HC stream (§6.1)."""
-    token = token_buf[0]
+    """state[t, h] = f16->f32(token_embd[token t]) for every HC stream (§6.1); token t = blockIdx.y."""
+    t = cuda.blockIdx.y
+    token = token_buf[t]
     for i in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
         value = float32(w16[embd_off + token * n_embd + i])
         for h in range(n_hc):
-            state[h, i] = value
+            state[t, h, i] = value
 
 
 HC_CHUNK = 1024          # most elements of the flattened HC state per hc_mix_partial block
@@ -260,13 +267,15 @@ def hc_chunk(n_embd: int) -> int:
 
 @cuda.jit(cache=True)
 def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
-    """Partial mixer dots over one chunk of the flattened state: block (row, chunk). Chunks never
-    straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks also
-    write the chunk's Σx² (in double) for the RMS scale."""
+    """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
+    never straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks
+    also write the chunk's Σx² (in double) for the RMS scale. state [T, n_hc, n_embd], part_dot
+    [T, rows, chunks], part_sq [T, chunks]."""
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
+    t = cuda.blockIdx.z
     tid = cuda.threadIdx.x
-    n_hc, n_embd = state.shape
+    _, n_hc, n_embd = state.shape
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
@@ -276,34 +285,36 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
     sumsq = float64(0.0)
     dot = float32(0.0)
     for j in range(tid, chunk_len, cuda.blockDim.x):
-        v = state[stream, d0 + j]
+        v = state[t, stream, d0 + j]
         dot += float32(w16[base + j]) * v
         sumsq += float64(v) * float64(v)
     total_dot = block_sum(dot, scratch32)
     if row == 0:
         total_sq = block_sum(sumsq, scratch64)
         if tid == 0:
-            part_sq[chunk] = total_sq
+            part_sq[t, chunk] = total_sq
     if tid == 0:
-        part_dot[row, chunk] = total_dot
+        part_dot[t, row, chunk] = total_dot
 
 
 @cuda.jit(cache=True)
 def hc_post(state, f_a, f_b, post, comb):
-    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be a zero
-    vector. (Fusing it with the next mixer's partial dots was tried: 17 us per launch against
+    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be zeros.
+    Token t = blockIdx.y: state [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb
+    [T, n_hc²]. (Fusing it with the next mixer's partial dots was tried: 17 us per launch against
     5.5 + 6 for the two kernels, measured with ncu on the H200.)"""
-    n_hc, n_embd = state.shape
+    t = cuda.blockIdx.y
+    _, n_hc, n_embd = state.shape
     old = cuda.local.array(16, float32)
-    for d in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
-        f = f_a[d] + f_b[d]
+    for d in range(cuda.grid(1), n_embd, cuda.gridDim.x * cuda.blockDim.x):
+        f = f_a[t, d] + f_b[t, d]
         for i in range(n_hc):
-            old[i] = state[i, d]
+            old[i] = state[t, i, d]
         for j in range(n_hc):
-            acc = post[j] * f
+            acc = post[t, j] * f
             for i in range(n_hc):
-                acc += comb[i * n_hc + j] * old[i]
-            state[j, d] = acc
+                acc += comb[t, i * n_hc + j] * old[i]
+            state[t, j, d] = acc
 
 
 @cuda.jit(device=True)
@@ -457,54 +468,60 @@ def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64)
 @wide_jit
 def hc_pre(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
            post_out, comb_out, x_out, xq, xd):
-    """HC reduce for one sublayer, launched with 2 blocks that run side by side: block 1 computes
-    the post gates and the Sinkhorn comb matrix (needed only by hc_post), block 0 the pre gates,
-    y = Σ pre·X, x = RMSNorm(y)·w and x quantized to Q8_0 for the projections that read it."""
+    """HC reduce for one sublayer, launched with 2 blocks per token (grid (2, T)) that run side by
+    side: block 1 computes the post gates and the Sinkhorn comb matrix (needed only by hc_post),
+    block 0 the pre gates, y = Σ pre·X, x = RMSNorm(y)·w and x quantized to Q8_0 for the
+    projections that read it. Per-token rows: state[t], part_dot[t], post_out[t], x_out[t], ..."""
     tid = cuda.threadIdx.x
-    n_hc, n_embd = state.shape
+    t = cuda.blockIdx.y
+    _, n_hc, n_embd = state.shape
     mix = cuda.shared.array(64, float32)
-    hc_mix_values(part_dot, part_sq, n_hc * n_embd, rms_eps, mix)
+    hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
     if cuda.blockIdx.x == 1:
-        sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out, comb_out)
+        sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out[t], comb_out[t])
         return
     pre = cuda.shared.array(16, float32)
     scratch64 = cuda.shared.array(BLOCK, float64)
     if tid < n_hc:
         pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
     cuda.syncthreads()
-    collapse_norm_q8(state, pre, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
+    collapse_norm_q8(state[t], pre, w32, norm_off, rms_eps, x_out[t], xq[t], xd[t], scratch64)
 
 
 @wide_jit
 def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps, rms_eps, x_out, xq, xd):
     """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
-    z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec."""
+    z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec. Token t = blockIdx.y
+    (prefill runs it on the last token only, as a T = 1 view of the state)."""
     tid = cuda.threadIdx.x
-    n_hc, n_embd = state.shape
+    t = cuda.blockIdx.y
+    _, n_hc, n_embd = state.shape
     gate = cuda.shared.array(16, float32)
     scratch64 = cuda.shared.array(BLOCK, float64)
     mix = cuda.shared.array(64, float32)
-    hc_mix_values(part_dot, part_sq, n_hc * n_embd, rms_eps, mix)
+    hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
     if tid < n_hc:
         gate[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
     cuda.syncthreads()
-    collapse_norm_q8(state, gate, w32, norm_off, rms_eps, x_out, xq, xd, scratch64)
+    collapse_norm_q8(state[t], gate, w32, norm_off, rms_eps, x_out[t], xq[t], xd[t], scratch64)
 
 
 @cuda.jit(cache=True)
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
-    """x_out = RMSNorm(x)·w, plus its Q8_0 quantization (single block)."""
+    """x_out = RMSNorm(x)·w, plus its Q8_0 quantization: one block per token (grid (1, T)), on
+    rows x[t] of [T, n] arrays."""
     tid = cuda.threadIdx.x
-    n = x.shape[0]
+    t = cuda.blockIdx.y
+    n = x.shape[1]
     scratch64 = cuda.shared.array(BLOCK, float64)
     sumsq = float64(0.0)
     for i in range(tid, n, cuda.blockDim.x):
-        sumsq += float64(x[i]) * float64(x[i])
+        sumsq += float64(x[t, i]) * float64(x[t, i])
     scale = rms_scale(block_sum(sumsq, scratch64), n, eps)
     for i in range(tid, n, cuda.blockDim.x):
-        x_out[i] = x[i] * scale * w32[norm_off + i]
+        x_out[t, i] = x[t, i] * scale * w32[norm_off + i]
     cuda.syncthreads()
-    quantize_q8_0_block_values(x_out, xq, xd)
+    quantize_q8_0_block_values(x_out[t], xq[t], xd[t])
 
 
 # ---- RoPE and the QAT simulations ------------------------------------------------------------------
@@ -595,12 +612,15 @@ def hadamard_fp4(vec, base, n, scratch32):
 
 
 @cuda.jit(cache=True)
-def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
+def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
-    pushed into the raw ring at pos mod capacity. Single block."""
+    pushed into the raw ring at pos mod capacity. One block per token (grid (1, T)): row kv[t] at
+    position pos_buf[t] (kv [T, head_dim] is normalised in place)."""
     tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    kv = kv_all[t]
     n = kv.shape[0]
-    pos = pos_buf[0]
+    pos = pos_buf[t]
     scratch64 = cuda.shared.array(BLOCK, float64)
     scratch32 = cuda.shared.array(BLOCK, float32)
     sumsq = float64(0.0)
@@ -619,9 +639,12 @@ def kv_finish(kv, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
 
 
 @cuda.jit(cache=True)
-def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
-    """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). One block per head."""
+def q_heads(q_all, head_dim, n_rot, eps, pos_buf, freqs):
+    """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). Block (head, token): q_all
+    is [T, n_head·head_dim], token t at position pos_buf[t]."""
     head = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    q = q_all[t]
     tid = cuda.threadIdx.x
     base = head * head_dim
     scratch64 = cuda.shared.array(BLOCK, float64)
@@ -632,19 +655,17 @@ def q_heads(q, head_dim, n_rot, eps, pos_buf, freqs):
     for i in range(tid, head_dim, cuda.blockDim.x):
         q[base + i] = q[base + i] * scale
     cuda.syncthreads()
-    rope_tail(q, base, head_dim - n_rot, n_rot, pos_buf[0], freqs, False)
+    rope_tail(q, base, head_dim - n_rot, n_rot, pos_buf[t], freqs, False)
 
 
 # ---- compressors (§6.8) -----------------------------------------------------------------------------
 
-@cuda.jit(cache=True)
-def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio, head_dim,
-                    n_rot, freqs, indexer_lane, kv_state, score_state, cache):
-    """One token into a compressor lane; emits a pooled row every `ratio` tokens. Single block
-    with blockDim >= head_dim. The attention lane ends with FP8 on the nope dims, the indexer lane
-    with Hadamard + FP4 on the whole row; both round the row to f16 before caching it."""
+@cuda.jit(device=True)
+def compressor_token(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos, ratio, head_dim, n_rot,
+                     freqs, indexer_lane, kv_state, score_state, cache, pooled, scratch64, scratch32):
+    """One token at position pos into a compressor lane (all block threads call); emits a pooled
+    row when (pos + 1) % ratio == 0. Ends with a barrier, so the next token sees the state."""
     tid = cuda.threadIdx.x
-    pos = pos_buf[0]
     coff = 2 if ratio == 4 else 1
     width = coff * head_dim
     row = 4 + pos % 4 if ratio == 4 else pos % ratio
@@ -655,9 +676,6 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
     cuda.syncthreads()
     if (pos + 1) % ratio != 0:
         return
-    pooled = cuda.shared.array(512, float32)
-    scratch64 = cuda.shared.array(BLOCK2, float64)
-    scratch32 = cuda.shared.array(BLOCK2, float32)
     if tid < head_dim:
         best = float32(NEG_INF)
         if ratio == 4:
@@ -704,27 +722,52 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
             for r in range(4):
                 kv_state[r, j] = kv_state[4 + r, j]
                 score_state[r, j] = score_state[4 + r, j]
+        cuda.syncthreads()
+
+
+@cuda.jit(cache=True)
+def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio, head_dim,
+                    n_rot, freqs, indexer_lane, kv_state, score_state, cache):
+    """The T tokens of kv_t / sc_t ([T, width]: the lane's kv and gate projections) into a
+    compressor lane, in token order (token t at position pos_buf[t]); emits a pooled row every
+    `ratio` tokens. Single block with blockDim >= head_dim. The attention lane ends with FP8 on
+    the nope dims, the indexer lane with Hadamard + FP4 on the whole row; both round the row to
+    f16 before caching it."""
+    pooled = cuda.shared.array(512, float32)
+    scratch64 = cuda.shared.array(BLOCK2, float64)
+    scratch32 = cuda.shared.array(BLOCK2, float32)
+    for t in range(kv_t.shape[0]):
+        compressor_token(kv_t[t], sc_t[t], w16, ape_off, w32, norm_off, eps, pos_buf[t], ratio,
+                         head_dim, n_rot, freqs, indexer_lane, kv_state, score_state, cache, pooled,
+                         scratch64, scratch32)
 
 
 # ---- indexer (§6.10) ---------------------------------------------------------------------------------
 
 @cuda.jit(cache=True)
-def indexer_q(iq, idx_dim, n_rot, pos_buf, freqs):
-    """Indexer query heads: RoPE on the tail, then Hadamard + FP4. One block per head."""
+def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
+    """Indexer query heads: RoPE on the tail, then Hadamard + FP4. Block (head, token) on
+    iq_all [T, n_ihead·idx_dim]."""
     head = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    iq = iq_all[t]
     scratch32 = cuda.shared.array(BLOCK, float32)
-    rope_tail(iq, head * idx_dim, idx_dim - n_rot, n_rot, pos_buf[0], freqs, False)
+    rope_tail(iq, head * idx_dim, idx_dim - n_rot, n_rot, pos_buf[t], freqs, False)
     cuda.syncthreads()
     hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
 
 
 @cuda.jit(cache=True)
-def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores):
-    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): one block per indexer row c, one thread
-    per head (the row staged in shared memory). Blocks past the rows emitted so far return."""
+def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores_all):
+    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): block (row c, token t), one thread per
+    head (the row staged in shared memory); iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead],
+    scores_all [T, rows]. Blocks past the rows emitted by the token's position return."""
     c = cuda.blockIdx.x
-    if c >= (pos_buf[0] + 1) // 4:
+    t = cuda.blockIdx.y
+    if c >= (pos_buf[t] + 1) // 4:
         return
+    iq = iq_all[t]
+    head_w = head_w_all[t]
     tid = cuda.threadIdx.x
     row = cuda.shared.array(512, float32)
     scratch32 = cuda.shared.array(BLOCK, float32)
@@ -739,7 +782,7 @@ def indexer_scores(iq, head_w, weight_scale, icache, pos_buf, n_ihead, idx_dim, 
         total += head_w[h] * float32(weight_scale) * max(dot, float32(0.0))
     total = block_sum(total, scratch32)
     if tid == 0:
-        scores[c] = total
+        scores_all[t, c] = total
 
 
 @cuda.jit(device=True)
@@ -771,12 +814,17 @@ def order_key(bits):
 
 
 @cuda.jit(cache=True)
-def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
+def indexer_select(score_bits_all, pos_buf, top_k, selected_all, n_selected):
     """The top_k indexer rows by score (ties → lower index), written ascending into `selected`;
-    every row when there are at most top_k (§6.10). Single block: an 8-bit radix select finds
-    the k-th largest key, then a block scan compacts the winners in index order."""
+    every row when there are at most top_k (§6.10). One block per token (grid (1, T)) on rows
+    [t] of score_bits_all [T, rows] and selected_all [T, top_k], count n_selected[t]: an 8-bit
+    radix select finds the k-th largest key, then a block scan compacts the winners in index
+    order."""
     tid = cuda.threadIdx.x
-    n_rows = (pos_buf[0] + 1) // 4
+    t = cuda.blockIdx.y
+    score_bits = score_bits_all[t]
+    selected = selected_all[t]
+    n_rows = (pos_buf[t] + 1) // 4
     hist = cuda.shared.array(256, int32)
     scan = cuda.shared.array(BLOCK, int32)
     pick = cuda.shared.array(2, int32)
@@ -787,7 +835,7 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
         for c in range(tid, n_rows, cuda.blockDim.x):
             selected[c] = c
         if tid == 0:
-            n_selected[0] = n_rows
+            n_selected[t] = n_rows
         return
     prefix = np.uint32(0)
     mask = np.uint32(0)
@@ -841,7 +889,7 @@ def indexer_select(score_bits, pos_buf, top_k, selected, n_selected):
             selected[out_at] = c
             out_at += 1
     if tid == 0:
-        n_selected[0] = total
+        n_selected[t] = total
 
 
 # ---- attention (§6.5, §6.6) ---------------------------------------------------------------------------
@@ -930,11 +978,11 @@ def warp_sum8(v, scratch):
 @cuda.jit(device=True)
 def visible_rows(pos, n_swa, ratio, use_selected, n_selected):
     """§6.5: the raw window (rows 0 .. n_raw-1, positions first_raw ..) then the compressed rows
-    (all emitted ones, or the indexer's selection). Returns (n_raw, first_raw, n_rows)."""
+    (all emitted ones, or the indexer's n_selected). Returns (n_raw, first_raw, n_rows)."""
     n_raw = min(pos + 1, n_swa)
     n_comp = (pos + 1) // ratio if ratio > 0 else 0
     if use_selected:
-        n_comp = n_selected[0]
+        n_comp = n_selected
     return n_raw, pos + 1 - n_raw, n_raw + n_comp
 
 
@@ -1101,18 +1149,26 @@ def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
 
 
 @cuda.jit(cache=True, **ATTN_JIT)
-def attention_partial(q, raw_cache, comp_cache, selected, n_selected, pos_buf, n_swa, ratio,
-                      use_selected, head_dim, part_max, part_den, part_acc):
+def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                      use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
     """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
     whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
     Σexp·row (f32). A block whose range is empty (short context) writes neutral partials (max
-    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits);
-    head_dim <= ATTN_MAX_DIM."""
+    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
+    T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
+    n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
+    pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
     tid = cuda.threadIdx.x
     warp = tid // 32
     group = cuda.blockIdx.x
     split = cuda.blockIdx.y
-    n_raw, first_raw, n_rows = visible_rows(pos_buf[0], n_swa, ratio, use_selected, n_selected)
+    t = cuda.blockIdx.z
+    q = q_all[t]
+    selected = selected_all[t]
+    part_max = part_max_all[t]
+    part_den = part_den_all[t]
+    part_acc = part_acc_all[t]
+    n_raw, first_raw, n_rows = visible_rows(pos_buf[t], n_swa, ratio, use_selected, n_selected[t])
     n_tiles = (n_rows + ATTN_TILE - 1) // ATTN_TILE
     tiles_per_split = (n_tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
     begin = min(split * tiles_per_split * ATTN_TILE, n_rows)
@@ -1154,13 +1210,20 @@ def rotate_pair(x0, x1, theta, inverse):
 
 
 @cuda.jit(cache=True)
-def attention_combine(part_max, part_den, part_acc, w32, sinks_off, pos_buf, head_dim, n_rot,
-                      freqs, out):
+def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, pos_buf, head_dim,
+                      n_rot, freqs, n_group, out):
     """Sink attention, second half: merge the splits of each head with its sink logit, which joins
-    the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part)
-    with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the RoPE needs
-    no second pass. Empty splits (Σ 0) are skipped."""
+    the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part,
+    token) with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the
+    RoPE needs no second pass. Empty splits (Σ 0) are skipped. `out` is flat and group-major,
+    [n_group, T, heads per group · head_dim], so that each output group's input rows are
+    contiguous for its matmul (with T = 1 it is simply the heads in order)."""
     head = cuda.blockIdx.x
+    t = cuda.blockIdx.z
+    n_tok = cuda.gridDim.z
+    part_max = part_max_all[t]
+    part_den = part_den_all[t]
+    part_acc = part_acc_all[t]
     n_splits = part_max.shape[1]
     weights = cuda.shared.array(ATTN_SPLITS, float32)
     sink = w32[sinks_off + head]
@@ -1187,9 +1250,12 @@ def attention_combine(part_max, part_den, part_acc, w32, sinks_off, pos_buf, hea
     x1 = acc1 / den
     n_nope = head_dim - n_rot
     if d >= n_nope:
-        x0, x1 = rotate_pair(x0, x1, float32(pos_buf[0]) * freqs[(d - n_nope) // 2], True)
-    out[head * head_dim + d] = x0
-    out[head * head_dim + d + 1] = x1
+        x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
+    heads_per_group = part_max_all.shape[1] // n_group
+    g = head // heads_per_group
+    at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
+    out[at] = x0
+    out[at + 1] = x1
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------
@@ -1253,13 +1319,17 @@ def block_argmax(value, index, best_val, best_idx):
 
 
 @cuda.jit(cache=True)
-def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_used,
+def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_used,
           weight_scale, base_offsets, expert_ids, route_w, slot_offsets):
     """Expert selection and weights (single block of BLOCK threads, n_exp <= 1024): hash layers
     take tid2eid[token], the others the top-n_used of sqrt(softplus(l)) + bias (ties → lower
     index); the weights use the unbiased probabilities, normalised (floor 2^-14) and scaled.
     Also writes each selected expert's gate/up/down byte offsets for the MoE kernels:
-    base_offsets = (gate, up, down, gate stride, up stride, down stride) in bytes."""
+    base_offsets = (gate, up, down, gate stride, up stride, down stride) in bytes.
+    One block per token (grid (1, T)): logits_all [T, n_exp], token_buf[t], expert_ids and
+    route_w [T, n_used], slot_offsets [T, n_used, 3]."""
+    t = cuda.blockIdx.y
+    logits = logits_all[t]
     n_exp = logits.shape[0]
     tid = cuda.threadIdx.x
     probs = cuda.shared.array(1024, float32)
@@ -1273,7 +1343,7 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
     cuda.syncthreads()
     if is_hash:
         if tid < n_used:
-            taken[tid] = i32[hash_off + token_buf[0] * n_used + tid]
+            taken[tid] = i32[hash_off + token_buf[t] * n_used + tid]
     else:
         for k in range(n_used):
             if USE_SHUFFLES and tid >= 32:
@@ -1303,24 +1373,38 @@ def route(logits, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_
         total = max(total, float32(6.103515625e-5))
         for k in range(n_used):
             e = taken[k]
-            expert_ids[k] = e
-            route_w[k] = probs[e] / total * float32(weight_scale)
-            slot_offsets[k, 0] = base_offsets[0] + e * base_offsets[3]
-            slot_offsets[k, 1] = base_offsets[1] + e * base_offsets[4]
-            slot_offsets[k, 2] = base_offsets[2] + e * base_offsets[5]
+            expert_ids[t, k] = e
+            route_w[t, k] = probs[e] / total * float32(weight_scale)
+            slot_offsets[t, k, 0] = base_offsets[0] + e * base_offsets[3]
+            slot_offsets[t, k, 1] = base_offsets[1] + e * base_offsets[4]
+            slot_offsets[t, k, 2] = base_offsets[2] + e * base_offsets[5]
 
 
 @wide_jit
 def swiglu_q8(gate, up, clamp, mid, xq, xd):
-    """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0 (single block)."""
+    """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0. One block per token
+    (grid (1, T)) on rows [t] of [T, n_ff] arrays."""
     tid = cuda.threadIdx.x
-    n = gate.shape[0]
+    t = cuda.blockIdx.y
+    n = gate.shape[1]
     for i in range(tid, n, cuda.blockDim.x):
-        g = min(gate[i], float32(clamp))
-        u = min(max(up[i], float32(-clamp)), float32(clamp))
-        mid[i] = g * sigmoid(g) * u
+        g = min(gate[t, i], float32(clamp))
+        u = min(max(up[t, i], float32(-clamp)), float32(clamp))
+        mid[t, i] = g * sigmoid(g) * u
     cuda.syncthreads()
-    quantize_q8_0_block_values(mid, xq, xd)
+    quantize_q8_0_block_values(mid[t], xq[t], xd[t])
+
+
+@cuda.jit(cache=True)
+def groups_to_tokens(src, n_group, width, dst):
+    """dst[t·n_group·width + g·width + i] = src[(g·T + t)·width + i] (both flat): the grouped
+    output projection's results (group-major, one matmul per group) as the token rows the next
+    projection reads. Grid (x, T)."""
+    t = cuda.blockIdx.y
+    n_tok = cuda.gridDim.y
+    for k in range(cuda.grid(1), n_group * width, cuda.gridDim.x * cuda.blockDim.x):
+        g = k // width
+        dst[t * n_group * width + k] = src[(g * n_tok + t) * width + k - g * width]
 
 
 ARGMAX_BLOCKS = 128       # blocks of the first argmax pass (enough loads in flight over 129k logits)

@@ -10,23 +10,29 @@ _disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)
 f32a = types.float32[::1]; f32a2 = types.float32[:, ::1]; i32a = types.int32[::1]; i8a = types.int8[::1]
 f16a = types.float16[::1]; u32a = types.uint32[::1]; i64a2 = types.int64[:, ::1]; i64a = types.int64[::1]
 i64 = types.int64; f64 = types.float64; b1 = types.boolean
+# token dimension: per-token activations [T, n]; views of pair outputs (a column range of a
+# [T, rows_a + rows_b] matmul output) are strided ('A' layout)
+f32A2 = types.float32[:, :]; f32a3 = types.float32[:, :, ::1]; f32A3 = types.float32[:, :, :]
+f32a4 = types.float32[:, :, :, ::1]; i8a2 = types.int8[:, ::1]; i32a2 = types.int32[:, ::1]
+u32a2 = types.uint32[:, ::1]; f64a2 = types.float64[:, ::1]; i64a3 = types.int64[:, :, ::1]
 sigs = {
- "embed": (i32a, f16a, i64, i64, i64, f32a2),
- "hc_mix_partial": (f32a2, f16a, i64, i64, types.float32[:, :], types.float64[::1]),
- "hc_pre": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, i64, f64, f64, f32a, f32a, f32a, i8a, f32a),
- "hc_post": (f32a2, f32a, f32a, f32a, f32a),
- "hc_head": (f32a2, types.float32[:, :], types.float64[::1], f32a, i64, i64, i64, f64, f64, f32a, i8a, f32a),
- "rmsnorm_q8": (f32a, f32a, i64, f64, f32a, i8a, f32a),
- "kv_finish": (f32a, f32a, i64, f64, i32a, f32a, i64, f32a2),
- "q_heads": (f32a, i64, i64, f64, i32a, f32a),
- "compressor_step": (f32a, f32a, f16a, i64, f32a, i64, f64, i32a, i64, i64, i64, f32a, b1, f32a2, f32a2, f32a2),
- "indexer_q": (f32a, i64, i64, i32a, f32a),
- "indexer_scores": (f32a, f32a, f64, f32a2, i32a, i64, i64, f32a),
- "indexer_select": (u32a, i32a, i64, i32a, i32a),
- "attention_partial": (f32a, f32a2, f32a2, i32a, i32a, i32a, i64, i64, b1, i64, f32a2, f32a2, types.float32[:, :, ::1]),
- "attention_combine": (f32a2, f32a2, types.float32[:, :, ::1], f32a, i64, i32a, i64, i64, f32a, f32a),
- "route": (f32a, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a, f32a, i64a2),
- "swiglu_q8": (f32a, f32a, f64, f32a, i8a, f32a),
+ "embed": (i32a, f16a, i64, i64, i64, f32a3),
+ "hc_mix_partial": (f32a3, f16a, i64, i64, f32A3, f64a2),
+ "hc_pre": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, i64, f64, f64, f32a2, f32a2, f32a2, i8a2, f32a2),
+ "hc_post": (f32a3, f32a2, f32a2, f32a2, f32a2),
+ "hc_head": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
+ "rmsnorm_q8": (f32A2, f32a, i64, f64, f32a2, i8a2, f32a2),
+ "kv_finish": (f32A2, f32a, i64, f64, i32a, f32a, i64, f32a2),
+ "q_heads": (f32a2, i64, i64, f64, i32a, f32a),
+ "compressor_step": (f32A2, f32A2, f16a, i64, f32a, i64, f64, i32a, i64, i64, i64, f32a, b1, f32a2, f32a2, f32a2),
+ "indexer_q": (f32a2, i64, i64, i32a, f32a),
+ "indexer_scores": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
+ "indexer_select": (u32a2, i32a, i64, i32a2, i32a),
+ "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
+ "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a),
+ "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),
+ "swiglu_q8": (f32A2, f32A2, f64, f32a2, i8a2, f32a2),
+ "groups_to_tokens": (f32a, i64, i64, f32a),
  "argmax_partial": (f32a, i32a, f32a, i32a),
  "argmax_finish": (f32a, i32a, i32a),
 }

@@ -27,10 +27,12 @@ def close(name, got, want, tol):
         raise SystemExit(1)
 
 
-def check_hc():
+def check_hc(n_tok):
+    """Mixer partials, hc_pre (post gates, Sinkhorn, collapse + norm + Q8_0), hc_post for n_tok
+    tokens at once ([T, ...] buffers, token = blockIdx.y/z), each against the reference."""
     n_hc, n_embd = 4, 256
     mix_rows = (2 + n_hc) * n_hc
-    state = rng.normal(0, 1, (n_hc, n_embd)).astype(np.float32)
+    states = rng.normal(0, 1, (n_tok, n_hc, n_embd)).astype(np.float32)
     fn = (rng.normal(0, 1 / math.sqrt(n_hc * n_embd), (mix_rows, n_hc * n_embd))).astype(np.float16)
     scale = np.array([1.05, 0.95, 1.1], np.float32)
     base = rng.normal(0, 0.1, mix_rows).astype(np.float32)
@@ -44,174 +46,239 @@ def check_hc():
     w32_host[off32 + 3:off32 + 3 + mix_rows] = base
     w32_host[off32 + 3 + mix_rows:off32 + 3 + mix_rows + n_embd] = norm
     d_arena = cuda.to_device(arena)
-    d_state = cuda.to_device(state)
+    d_state = cuda.to_device(states)
     chunk = 128                                    # two chunks per stream
     n_chunks = n_hc * n_embd // chunk
-    part_dot = cuda.device_array((mix_rows, n_chunks), np.float32)
-    part_sq = cuda.device_array(n_chunks, np.float64)
-    ops.hc_mix_partial[(mix_rows, n_chunks), 64](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
+    part_dot = cuda.device_array((n_tok, mix_rows, n_chunks), np.float32)
+    part_sq = cuda.device_array((n_tok, n_chunks), np.float64)
+    ops.hc_mix_partial[(mix_rows, n_chunks, n_tok), 64](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
+    post = cuda.device_array((n_tok, n_hc), np.float32)
+    comb = cuda.device_array((n_tok, n_hc * n_hc), np.float32)
+    x = cuda.device_array((n_tok, n_embd), np.float32)
+    xq, xd = cuda.device_array((n_tok, n_embd), np.int8), cuda.device_array((n_tok, n_embd // 32), np.float32)
+    ops.hc_pre[(2, n_tok), BLOCK](d_state, part_dot, part_sq, d_arena.view(np.float32), off32, off32 + 3,
+                                  off32 + 3 + mix_rows, 20, 1e-6, 1e-6, post, comb, x, xq, xd)
+    f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
+    f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
+    post_h, comb_h = post.copy_to_host(), comb.copy_to_host()
+    ops.hc_post[(4, n_tok), 64](d_state, cuda.to_device(f_a), cuda.to_device(f_b), post, comb)
+    new_state = d_state.copy_to_host()
+    pd_all, ps_all = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
+    x_h, q_h, d_h = x.copy_to_host(), xq.copy_to_host(), xd.copy_to_host()
+    for t in range(n_tok):
+        tag = f" [T={n_tok} t={t}]"
+        state = states[t]
+        flat = state.reshape(-1).astype(np.float64)
+        close("Σx² partials" + tag, ps_all[t].sum(), np.sum(flat ** 2), 1e-6)
+        want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
+        close("hc_mix partials" + tag, pd_all[t].sum(1) / np.sqrt(ps_all[t].sum() / flat.size + 1e-6), want_mix, 1e-5)
+        m = want_mix
+        pre_w = ref.sigmoid(m[:n_hc] * scale[0] + base[:n_hc]) + 1e-6
+        post_w = 2 * ref.sigmoid(m[n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc])
+        comb_w = ref.sinkhorn((m[2 * n_hc:] * scale[2] + base[2 * n_hc:]).reshape(n_hc, n_hc), 20, 1e-6)
+        close("hc post gates" + tag, post_h[t], post_w, 1e-6)
+        close("hc sinkhorn" + tag, comb_h[t], comb_w.reshape(-1), 1e-5)
+        y = (pre_w[:, None] * state).sum(0)
+        close("hc_pre x" + tag, x_h[t], ref.rms_norm(y, norm, 1e-6), 1e-5)
+        close("q8_0 of x" + tag, (q_h[t].reshape(-1, 32) * d_h[t][:, None]).reshape(-1), ref.q8_0_activation(x_h[t]), 1e-6)
+        # hc_post: X_new[j] = post[j] (f_a + f_b) + Σ_i C[i][j] X_old[i], in place
+        want = ref.hc_post((f_a[t] + f_b[t]).astype(np.float64), state.astype(np.float64), post_h[t],
+                           comb_h[t].reshape(n_hc, n_hc))
+        close("hc_post" + tag, new_state[t], want, 1e-5)
 
-    def mix_of(part_dot, part_sq, flat):
-        pd, ps = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
-        close("Σx² partials", ps.sum(), np.sum(flat ** 2), 1e-6)
-        return pd.sum(1) / np.sqrt(ps.sum() / flat.size + 1e-6)
 
-    flat = state.reshape(-1).astype(np.float64)
-    want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
-    close("hc_mix partials", mix_of(part_dot, part_sq, flat), want_mix, 1e-5)
-    post, comb = cuda.device_array(n_hc, np.float32), cuda.device_array(n_hc * n_hc, np.float32)
-    x, xq, xd = cuda.device_array(n_embd, np.float32), cuda.device_array(n_embd, np.int8), cuda.device_array(n_embd // 32, np.float32)
-    ops.hc_pre[2, BLOCK](d_state, part_dot, part_sq, d_arena.view(np.float32), off32, off32 + 3, off32 + 3 + mix_rows,
-                         20, 1e-6, 1e-6, post, comb, x, xq, xd)
-    m = want_mix
-    pre_w = ref.sigmoid(m[:n_hc] * scale[0] + base[:n_hc]) + 1e-6
-    post_w = 2 * ref.sigmoid(m[n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc])
-    comb_w = ref.sinkhorn((m[2 * n_hc:] * scale[2] + base[2 * n_hc:]).reshape(n_hc, n_hc), 20, 1e-6)
-    close("hc post gates", post.copy_to_host(), post_w, 1e-6)
-    close("hc sinkhorn", comb.copy_to_host(), comb_w.reshape(-1), 1e-5)
-    y = (pre_w[:, None] * state).sum(0)
-    close("hc_pre x", x.copy_to_host(), ref.rms_norm(y, norm, 1e-6), 1e-5)
-    q, d = xq.copy_to_host(), xd.copy_to_host()
-    close("q8_0 of x", (q.reshape(-1, 32) * d[:, None]).reshape(-1), ref.q8_0_activation(x.copy_to_host()), 1e-6)
-    # hc_post: X_new[j] = post[j] (f_a + f_b) + Σ_i C[i][j] X_old[i], in place
-    f_a = rng.normal(0, 1, n_embd).astype(np.float32)
-    f_b = rng.normal(0, 1, n_embd).astype(np.float32)
-    want = ref.hc_post((f_a + f_b).astype(np.float64), state.astype(np.float64), post.copy_to_host(),
-                       comb.copy_to_host().reshape(n_hc, n_hc))
-    ops.hc_post[4, 64](d_state, cuda.to_device(f_a), cuda.to_device(f_b), post, comb)
-    close("hc_post", d_state.copy_to_host(), want, 1e-5)
-
-
-def check_qat_and_rope():
+def check_qat_and_rope(n_tok):
     head_dim, n_rot = 128, 64
-    # FP8 on the nope dims of a kv row via kv_finish, with RoPE and f16 rounding
-    kv = rng.normal(0, 1, head_dim).astype(np.float32) * np.float32(3.0)
+    # FP8 on the nope dims of a kv row via kv_finish, with RoPE and f16 rounding; token t at
+    # position 37 + 3t into a ring of 8 rows
+    kv = rng.normal(0, 1, (n_tok, head_dim)).astype(np.float32) * np.float32(3.0)
     norm = (1 + rng.uniform(-0.1, 0.1, head_dim)).astype(np.float32)
-    pos = 37
-    spec = type("S", (), dict(n_rot=n_rot, rope_freq_base=10000.0))()
+    pos = np.array([37 + 3 * t for t in range(n_tok)], np.int32)
     freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
     raw = cuda.device_array((8, head_dim), np.float32)
-    ops.kv_finish[1, BLOCK](cuda.to_device(kv.copy()), cuda.to_device(norm), 0, 1e-6,
-                            cuda.to_device(np.array([pos], np.int32)), cuda.to_device(freqs), n_rot, raw)
+    # kv as the engine passes it: a column range of a wider [T, q_lora + head_dim] buffer
+    wide = np.zeros((n_tok, 32 + head_dim), np.float32)
+    wide[:, 32:] = kv
+    d_wide = cuda.to_device(wide)
+    ops.kv_finish[(1, n_tok), BLOCK](d_wide[:, 32:], cuda.to_device(norm), 0, 1e-6, cuda.to_device(pos),
+                                     cuda.to_device(freqs), n_rot, raw)
     rope = ref.Rope(n_rot, 10000.0, False)
-    want = rope.apply(ref.rms_norm(kv.astype(np.float64), norm, 1e-6)[None, :], pos)[0]
-    want[:head_dim - n_rot] = ref.fp8_e4m3_sim(want[:head_dim - n_rot])
-    close("kv_finish (norm, rope, fp8, f16)", raw.copy_to_host()[pos % 8], ref.f16_round(want), 2e-3)
+    raw_h = raw.copy_to_host()
+    for t in range(n_tok):
+        want = rope.apply(ref.rms_norm(kv[t].astype(np.float64), norm, 1e-6)[None, :], int(pos[t]))[0]
+        want[:head_dim - n_rot] = ref.fp8_e4m3_sim(want[:head_dim - n_rot])
+        close(f"kv_finish (norm, rope, fp8, f16) [T={n_tok} t={t}]", raw_h[pos[t] % 8], ref.f16_round(want), 2e-3)
     # Hadamard + FP4 on indexer heads (rope first)
     n_ihead, idx_dim = 2, 64
-    iq = rng.normal(0, 1, n_ihead * idx_dim).astype(np.float32)
+    iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
     d_iq = cuda.to_device(iq.copy())
-    ops.indexer_q[n_ihead, 64](d_iq, idx_dim, n_rot, cuda.to_device(np.array([pos], np.int32)), cuda.to_device(freqs))
-    want = np.concatenate([ref.indexer_qat(rope.apply(h[None, :], pos)[0]) for h in iq.reshape(n_ihead, idx_dim).astype(np.float64)])
-    close("indexer_q (rope, hadamard, fp4)", d_iq.copy_to_host(), want, 1e-5)
+    ops.indexer_q[(n_ihead, n_tok), 64](d_iq, idx_dim, n_rot, cuda.to_device(pos), cuda.to_device(freqs))
+    got = d_iq.copy_to_host()
+    for t in range(n_tok):
+        want = np.concatenate([ref.indexer_qat(rope.apply(h[None, :], int(pos[t]))[0])
+                               for h in iq[t].reshape(n_ihead, idx_dim).astype(np.float64)])
+        close(f"indexer_q (rope, hadamard, fp4) [T={n_tok} t={t}]", got[t], want, 1e-5)
+    # q_heads: per-head RMSNorm, RoPE
+    n_head = 3
+    q = rng.normal(0, 1, (n_tok, n_head * head_dim)).astype(np.float32)
+    d_q = cuda.to_device(q.copy())
+    ops.q_heads[(n_head, n_tok), BLOCK](d_q, head_dim, n_rot, 1e-6, cuda.to_device(pos), cuda.to_device(freqs))
+    got = d_q.copy_to_host()
+    for t in range(n_tok):
+        want = np.concatenate([rope.apply((h / np.sqrt(np.mean(h ** 2) + 1e-6))[None, :], int(pos[t]))[0]
+                               for h in q[t].reshape(n_head, head_dim).astype(np.float64)])
+        close(f"q_heads (rms, rope) [T={n_tok} t={t}]", got[t], want, 1e-5)
 
 
-def attention_case(name, n_head, head_dim, n_swa, pos, ratio, n_comp_rows, selected, n_splits):
-    """attention_partial + attention_combine against the float64 sink attention of the reference.
+def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows, selected, n_splits,
+                   n_group=1, cap=None):
+    """attention_partial + attention_combine for len(positions) tokens in one launch (token t at
+    positions[t], sharing the caches), each against the float64 sink attention of the reference.
     The caches hold f16-rounded values, as kv_finish and compressor_step leave them (the kernel
-    stages rows in f16)."""
+    stages rows in f16). The output is group-major [n_group, T, heads per group · head_dim]."""
     n_rot = 64
-    cap = n_swa
+    n_tok = len(positions)
+    cap = cap or n_swa
     raw = rng.normal(0, 1, (cap, head_dim)).astype(np.float16).astype(np.float32)
     comp = rng.normal(0, 1, (max(n_comp_rows, 1), head_dim)).astype(np.float16).astype(np.float32)
-    q = rng.normal(0, 1, n_head * head_dim).astype(np.float32)
+    q = rng.normal(0, 1, (n_tok, n_head * head_dim)).astype(np.float32)
     sinks = rng.normal(0, 0.5, n_head).astype(np.float32)
     freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
-    out = cuda.device_array(n_head * head_dim, np.float32)
+    out = cuda.device_array(n_tok * n_head * head_dim, np.float32)
     use_selected = selected is not None
-    sel = np.asarray(selected if use_selected else [0], np.int32)
-    part_max = cuda.device_array((n_head, n_splits), np.float32)
-    part_den = cuda.device_array((n_head, n_splits), np.float32)
-    part_acc = cuda.device_array((n_head, n_splits, head_dim), np.float32)
-    d_pos = cuda.to_device(np.array([pos], np.int32))
-    grid = ((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, n_splits)
+    sels = [np.asarray(sl, np.int32) for sl in selected] if use_selected else [np.zeros(1, np.int32)] * n_tok
+    width = max(len(sl) for sl in sels)
+    sel = np.zeros((n_tok, width), np.int32)
+    for t, sl in enumerate(sels):
+        sel[t, :len(sl)] = sl
+    part_max = cuda.device_array((n_tok, n_head, n_splits), np.float32)
+    part_den = cuda.device_array((n_tok, n_head, n_splits), np.float32)
+    part_acc = cuda.device_array((n_tok, n_head, n_splits, head_dim), np.float32)
+    d_pos = cuda.to_device(np.asarray(positions, np.int32))
+    grid = ((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, n_splits, n_tok)
     ops.attention_partial[grid, ops.ATTN_THREADS](
         cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp), cuda.to_device(sel),
-        cuda.to_device(np.array([len(sel)], np.int32)), d_pos, n_swa, ratio, use_selected, head_dim,
+        cuda.to_device(np.array([len(sl) for sl in sels], np.int32)), d_pos, n_swa, ratio, use_selected, head_dim,
         part_max, part_den, part_acc)
-    ops.attention_combine[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1), ops.COMBINE_THREADS](
-        part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs), out)
-    n_raw = min(pos + 1, n_swa)
-    comp_rows = sel if use_selected else np.arange((pos + 1) // ratio if ratio else 0)
-    rows = np.concatenate([raw[[(pos + 1 - n_raw + i) % cap for i in range(n_raw)]], comp[comp_rows]]).astype(np.float64)
+    ops.attention_combine[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1, n_tok), ops.COMBINE_THREADS](
+        part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs),
+        n_group, out)
+    got = out.copy_to_host().reshape(n_group, n_tok, -1).transpose(1, 0, 2).reshape(n_tok, -1)
     rope = ref.Rope(n_rot, 10000.0, False)
-    want = [rope.apply(ref.sink_attention(q.reshape(n_head, head_dim)[h].astype(np.float64)[None, :], rows,
-                                          sinks[h:h + 1].astype(np.float64), head_dim), pos, inverse=True)[0]
-            for h in range(n_head)]
-    close(f"sink attention, {name} ({len(rows)} rows)", out.copy_to_host(), np.concatenate(want), 1e-5)
+    for t, pos in enumerate(positions):
+        n_raw = min(pos + 1, n_swa)
+        comp_rows = sels[t] if use_selected else np.arange((pos + 1) // ratio if ratio else 0)
+        rows = np.concatenate([raw[[(pos + 1 - n_raw + i) % cap for i in range(n_raw)]], comp[comp_rows]]).astype(np.float64)
+        want = [rope.apply(ref.sink_attention(q[t].reshape(n_head, head_dim)[h].astype(np.float64)[None, :], rows,
+                                              sinks[h:h + 1].astype(np.float64), head_dim), pos, inverse=True)[0]
+                for h in range(n_head)]
+        close(f"sink attention, {name} (T={n_tok} t={t}, {len(rows)} rows)", got[t], np.concatenate(want), 1e-5)
 
 
 def check_attention():
     # the indexer's selection (ratio 4), uneven tiles over splits, heads not a multiple of 8
-    attention_case("selected", 3, 128, 8, 21, 4, 10, [0, 2, 3], 3)
+    attention_case("selected", 3, 128, 8, [21], 4, 10, [[0, 2, 3]], 3)
     # few rows: most splits empty (neutral partials)
-    attention_case("short context", 9, 128, 16, 4, 128, 0, None, 6)
+    attention_case("short context", 9, 128, 16, [4], 128, 0, None, 6)
     # more rows than one tile in a split (online softmax across tiles), the model's head_dim
-    attention_case("several tiles", 8, 512, 40, 300, 4, 75, None, 2)
+    attention_case("several tiles", 8, 512, 40, [300], 4, 75, None, 2)
+    # a prefill chunk: 3 tokens in one launch, each with its own window in a ring of n_swa + chunk
+    # rows, its own compressed rows and selection; two output groups (group-major layout)
+    attention_case("chunk", 4, 128, 8, [9, 10, 11], 4, 3, [[0, 1], [1], [0, 2]], 1, n_group=2, cap=11)
+    attention_case("chunk, all rows", 8, 128, 6, [6, 7], 4, 2, None, 2, cap=8)
 
 
 def check_indexer_select():
-    for n_rows, top_k in ((40, 8), (200, 16), (97, 100)):
-        pos = 4 * n_rows - 1
-        scores = rng.normal(0, 1, n_rows).astype(np.float32)
-        scores[5] = scores[9] = scores[17] = np.sort(scores)[-min(top_k, n_rows)]  # ties at the threshold
-        sel = cuda.device_array(top_k, np.int32)
-        n_sel = cuda.device_array(1, np.int32)
-        ops.indexer_select[1, BLOCK](cuda.to_device(scores).view(np.uint32), cuda.to_device(np.array([pos], np.int32)),
-                                     top_k, sel, n_sel)
-        k = min(top_k, n_rows)
-        want = np.sort(np.argsort(-scores.astype(np.float64), kind="stable")[:k])
-        got = sel.copy_to_host()[:n_sel.copy_to_host()[0]]
-        ok = n_sel.copy_to_host()[0] == k and np.array_equal(got, want)
-        print(f"{'ok ' if ok else 'BAD'} indexer_select n={n_rows} k={top_k}")
-        if not ok:
-            print(got, want)
-            raise SystemExit(1)
+    """One launch for three tokens (grid (1, T)), each with its own row count and top_k cut, as
+    the rows of [T, rows] scores; every token must equal the stable top-k."""
+    cases = ((40, 8), (200, 16), (97, 100))
+    top_k = 16
+    width = max(n for n, _ in cases)
+    scores = np.full((len(cases), width), -9.0, np.float32)
+    pos = np.zeros(len(cases), np.int32)
+    for t, (n_rows, k) in enumerate(cases):
+        pos[t] = 4 * n_rows - 1
+        sc = rng.normal(0, 1, n_rows).astype(np.float32)
+        sc[5] = sc[9] = sc[17] = np.sort(sc)[-min(top_k, n_rows)]  # ties at the threshold
+        scores[t, :n_rows] = sc
+    for n_tok in (1, len(cases)):
+        for first in range(0, len(cases), n_tok):
+            rows = slice(first, first + n_tok)
+            sel = cuda.device_array((n_tok, top_k), np.int32)
+            n_sel = cuda.device_array(n_tok, np.int32)
+            ops.indexer_select[(1, n_tok), BLOCK](cuda.to_device(scores[rows]).view(np.uint32),
+                                                  cuda.to_device(pos[rows]), top_k, sel, n_sel)
+            got_all, n_all = sel.copy_to_host(), n_sel.copy_to_host()
+            for t in range(n_tok):
+                n_rows = cases[first + t][0]
+                k = min(top_k, n_rows)
+                want = np.sort(np.argsort(-scores[first + t, :n_rows].astype(np.float64), kind="stable")[:k])
+                got = got_all[t, :n_all[t]]
+                ok = n_all[t] == k and np.array_equal(got, want)
+                print(f"{'ok ' if ok else 'BAD'} indexer_select n={n_rows} k={top_k} [T={n_tok} t={t}]")
+                if not ok:
+                    print(got, want)
+                    raise SystemExit(1)
 
 
 def check_indexer_scores():
-    n_ihead, idx_dim, cap, pos = 4, 64, 12, 39          # 10 rows emitted, 2 beyond untouched
-    iq = rng.normal(0, 1, n_ihead * idx_dim).astype(np.float32)
-    head_w = rng.normal(0, 1, n_ihead).astype(np.float32)
+    n_ihead, idx_dim, cap = 4, 64, 12
+    positions = np.array([39, 30, 41], np.int32)      # 10, 7, 10 rows emitted; the rest untouched
+    n_tok = len(positions)
+    iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
+    head_w = rng.normal(0, 1, (n_tok, n_ihead)).astype(np.float32)
     icache = rng.normal(0, 1, (cap, idx_dim)).astype(np.float32)
-    scores = cuda.to_device(np.full(cap, -7.0, np.float32))
+    scores = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
     scale = 1 / math.sqrt(idx_dim * n_ihead)
-    ops.indexer_scores[cap, 64](cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
-                                cuda.to_device(np.array([pos], np.int32)), n_ihead, idx_dim, scores)
-    n = (pos + 1) // 4
-    want = np.maximum(icache[:n].astype(np.float64) @ iq.reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w * scale)
+    ops.indexer_scores[(cap, n_tok), 64](cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
+                                         cuda.to_device(positions), n_ihead, idx_dim, scores)
     got = scores.copy_to_host()
-    close("indexer_scores", got[:n], want, 1e-5)
-    assert np.all(got[n:] == -7.0), "indexer_scores wrote rows that were not emitted"
+    for t, pos in enumerate(positions):
+        n = (pos + 1) // 4
+        want = np.maximum(icache[:n].astype(np.float64) @ iq[t].reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w[t] * scale)
+        close(f"indexer_scores [T={n_tok} t={t}]", got[t, :n], want, 1e-5)
+        assert np.all(got[t, n:] == -7.0), "indexer_scores wrote rows that were not emitted"
 
 
 def check_route():
-    n_exp, n_used = 16, 6
-    logits = rng.normal(0, 2, n_exp).astype(np.float32)
+    n_exp, n_used, n_tok = 16, 6, 3
+    logits = rng.normal(0, 2, (n_tok, n_exp)).astype(np.float32)
     bias = rng.normal(0, 2, n_exp).astype(np.float32)
     w32 = cuda.to_device(bias)
-    ids, rw, offs = cuda.device_array(n_used, np.int32), cuda.device_array(n_used, np.float32), cuda.device_array((n_used, 3), np.int64)
+    ids, rw = cuda.device_array((n_tok, n_used), np.int32), cuda.device_array((n_tok, n_used), np.float32)
+    offs = cuda.device_array((n_tok, n_used, 3), np.int64)
     bases = cuda.to_device(np.array([1000, 5000, 9000, 10, 10, 20], np.int64))
-    ops.route[1, BLOCK](cuda.to_device(logits), cuda.to_device(np.array([0], np.int32)), w32, 0, True,
-                        cuda.to_device(np.zeros(8, np.int32)), 0, False, n_used, 1.5, bases, ids, rw, offs)
-    p = np.sqrt(ref.softplus(logits.astype(np.float64)))
-    want_ids = np.argsort(-(p + bias), kind="stable")[:n_used]
-    want_w = p[want_ids] / max(p[want_ids].sum(), 6.103515625e-5) * 1.5
-    got_ids = ids.copy_to_host()
-    if not np.array_equal(got_ids, want_ids):
-        print("BAD route ids", got_ids, want_ids)
+    ops.route[(1, n_tok), BLOCK](cuda.to_device(logits), cuda.to_device(np.zeros(n_tok, np.int32)), w32, 0, True,
+                                 cuda.to_device(np.zeros(8, np.int32)), 0, False, n_used, 1.5, bases, ids, rw, offs)
+    got_ids, got_w, o = ids.copy_to_host(), rw.copy_to_host(), offs.copy_to_host()
+    for t in range(n_tok):
+        p = np.sqrt(ref.softplus(logits[t].astype(np.float64)))
+        want_ids = np.argsort(-(p + bias), kind="stable")[:n_used]
+        want_w = p[want_ids] / max(p[want_ids].sum(), 6.103515625e-5) * 1.5
+        if not np.array_equal(got_ids[t], want_ids):
+            print("BAD route ids", t, got_ids[t], want_ids)
+            raise SystemExit(1)
+        close(f"route weights [T={n_tok} t={t}]", got_w[t], want_w, 1e-6)
+        assert np.array_equal(o[t, :, 0], 1000 + 10 * want_ids) and np.array_equal(o[t, :, 2], 9000 + 20 * want_ids)
+    # hash routing: token t's ids are tid2eid[token_buf[t]]
+    table = rng.integers(0, n_exp, (5, n_used)).astype(np.int32)
+    toks = np.array([3, 0, 4], np.int32)
+    ops.route[(1, n_tok), BLOCK](cuda.to_device(logits), cuda.to_device(toks), w32, 0, False,
+                                 cuda.to_device(table.reshape(-1)), 0, True, n_used, 1.5, bases, ids, rw, offs)
+    if not np.array_equal(ids.copy_to_host(), table[toks]):
+        print("BAD hash route ids", ids.copy_to_host(), table[toks])
         raise SystemExit(1)
-    close("route weights", rw.copy_to_host(), want_w, 1e-6)
-    o = offs.copy_to_host()
-    assert np.array_equal(o[:, 0], 1000 + 10 * want_ids) and np.array_equal(o[:, 2], 9000 + 20 * want_ids)
-    print("ok  route ids and expert offsets")
+    print(f"ok  route ids and expert offsets, bias and hash routing [T={n_tok}]")
 
 
 def check_compressor():
+    """Tokens fed one launch per token (T = 1) and in chunks of several tokens per launch (the
+    kernel loops over them in order); both against the reference's rows."""
     n_rot = 64
     freqs_np = ref.Rope(n_rot, 160000.0, False)
     freqs = (160000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
-    for ratio, dim, lane in ((4, 128, "attn"), (4, 64, "index"), (8, 128, "attn")):
+    for ratio, dim, lane, chunk in ((4, 128, "attn", 1), (4, 64, "index", 1), (8, 128, "attn", 1),
+                                    (4, 128, "attn", 5), (4, 64, "index", 3), (8, 128, "attn", 7)):
         coff = 2 if ratio == 4 else 1
         width = coff * dim
         ape = rng.normal(0, 0.1, (ratio, width)).astype(np.float16)
@@ -228,18 +295,25 @@ def check_compressor():
         ref_w = type("W", (), dict(get=lambda self, name: weights[name]))()
         spec = type("S", (), dict(rms_eps=1e-6, n_nope=dim - n_rot))()
         want_rows = []
-        for pos in range(3 * ratio):
-            # identity / diagonal projections: the kernel gets kv_t = x and sc_t = gate ⊙ x
-            x = rng.normal(0, 1, width).astype(np.float32).astype(np.float64)
-            row = ref.compressor_step(ref_w, spec, "c", st, x, pos, freqs_np, ("comp" if lane == "attn" else "index", 0))
+        n_pos = 3 * ratio
+        xs = rng.normal(0, 1, (n_pos, width)).astype(np.float32)
+        for pos in range(n_pos):
+            row = ref.compressor_step(ref_w, spec, "c", st, xs[pos].astype(np.float64), pos, freqs_np,
+                                      ("comp" if lane == "attn" else "index", 0))
             if row is not None:
                 want_rows.append(row)
-            ops.compressor_step[1, 256](cuda.to_device(x.astype(np.float32)),
-                                        cuda.to_device((gate_diag * x).astype(np.float32)), w16, 0, w32, 0,
-                                        1e-6, cuda.to_device(np.array([pos], np.int32)), ratio, dim, n_rot,
-                                        cuda.to_device(freqs), lane == "index", kv_state, score_state, cache)
+        for first in range(0, n_pos, chunk):
+            T = min(chunk, n_pos - first)
+            # identity / diagonal projections: kv_t = x and sc_t = gate ⊙ x, as the two halves of
+            # one [T, 2·width] pair output (strided views, as the engine passes them)
+            pair = np.concatenate([xs[first:first + T], (gate_diag * xs[first:first + T]).astype(np.float32)], axis=1)
+            d_pair = cuda.to_device(pair)
+            ops.compressor_step[1, 256](d_pair[:, :width], d_pair[:, width:], w16, 0, w32, 0,
+                                        1e-6, cuda.to_device(np.arange(first, first + T, dtype=np.int32)), ratio,
+                                        dim, n_rot, cuda.to_device(freqs), lane == "index", kv_state, score_state, cache)
         got = cache.copy_to_host()[:len(want_rows)]
-        close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows)", got, np.array(want_rows), 2e-3)
+        close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows, {chunk} tokens per launch)", got,
+              np.array(want_rows), 2e-3)
 
 
 def check_glue():
@@ -253,17 +327,49 @@ def check_glue():
     def dequant():
         return (xq.copy_to_host().reshape(-1, 32).astype(np.float64) * xd.copy_to_host()[:, None]).reshape(-1)
     norm = (1 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
-    out = cuda.device_array(n, np.float32)
-    ops.rmsnorm_q8[1, BLOCK](cuda.to_device(x), cuda.to_device(norm), 0, 1e-6, out, xq, xd)
-    close("rmsnorm_q8 x", out.copy_to_host(), ref.rms_norm(x.astype(np.float64), norm, 1e-6), 1e-5)
-    close("rmsnorm_q8 q8", dequant(), ref.q8_0_activation(out.copy_to_host()), 1e-6)
-    gate = rng.normal(0, 3, n).astype(np.float32)
-    up = rng.normal(0, 3, n).astype(np.float32)
-    ops.swiglu_q8[1, BLOCK](cuda.to_device(gate), cuda.to_device(up), 2.5, out, xq, xd)
-    g = np.minimum(gate.astype(np.float64), 2.5)
-    want = ref.silu(g) * np.clip(up, -2.5, 2.5)
-    close("swiglu_q8 mid", out.copy_to_host(), want, 1e-5)
-    close("swiglu_q8 q8", dequant(), ref.q8_0_activation(out.copy_to_host()), 1e-6)
+    for n_tok in (1, 3):
+        xs = rng.normal(0, 1, (n_tok, n)).astype(np.float32)
+        xs[0, 64:96] = 0.0
+        # the input as the engine passes it: a column range of a [T, n + 2·n] pair output
+        pair = cuda.to_device(np.concatenate([xs, rng.normal(0, 1, (n_tok, 2 * n)).astype(np.float32)], axis=1))
+        out = cuda.device_array((n_tok, n), np.float32)
+        tq, td = cuda.device_array((n_tok, n), np.int8), cuda.device_array((n_tok, n // 32), np.float32)
+        ops.rmsnorm_q8[(1, n_tok), BLOCK](pair[:, :n], cuda.to_device(norm), 0, 1e-6, out, tq, td)
+        o, q, d = out.copy_to_host(), tq.copy_to_host(), td.copy_to_host()
+        for t in range(n_tok):
+            close(f"rmsnorm_q8 x [T={n_tok} t={t}]", o[t], ref.rms_norm(xs[t].astype(np.float64), norm, 1e-6), 1e-5)
+            close(f"rmsnorm_q8 q8 [T={n_tok} t={t}]", (q[t].reshape(-1, 32) * d[t][:, None]).reshape(-1),
+                  ref.q8_0_activation(o[t]), 1e-6)
+        gate = rng.normal(0, 3, (n_tok, n)).astype(np.float32)
+        up = rng.normal(0, 3, (n_tok, n)).astype(np.float32)
+        gu = cuda.to_device(np.concatenate([gate, up], axis=1))
+        ops.swiglu_q8[(1, n_tok), BLOCK](gu[:, :n], gu[:, n:], 2.5, out, tq, td)
+        o, q, d = out.copy_to_host(), tq.copy_to_host(), td.copy_to_host()
+        for t in range(n_tok):
+            g = np.minimum(gate[t].astype(np.float64), 2.5)
+            want = ref.silu(g) * np.clip(up[t], -2.5, 2.5)
+            close(f"swiglu_q8 mid [T={n_tok} t={t}]", o[t], want, 1e-5)
+            close(f"swiglu_q8 q8 [T={n_tok} t={t}]", (q[t].reshape(-1, 32) * d[t][:, None]).reshape(-1),
+                  ref.q8_0_activation(o[t]), 1e-6)
+    # group-major -> token-major (the grouped output projection's results)
+    n_group, width, n_tok = 3, 40, 4
+    src = rng.normal(0, 1, (n_group, n_tok, width)).astype(np.float32)
+    dst = cuda.device_array(n_tok * n_group * width, np.float32)
+    ops.groups_to_tokens[(1, n_tok), 64](cuda.to_device(src.reshape(-1)), n_group, width, dst)
+    ok = np.array_equal(dst.copy_to_host().reshape(n_tok, n_group * width), src.transpose(1, 0, 2).reshape(n_tok, -1))
+    print(f"{'ok ' if ok else 'BAD'} groups_to_tokens")
+    if not ok:
+        raise SystemExit(1)
+    # embed: token t's row for every stream
+    n_embd, n_hc = 64, 4
+    table = rng.normal(0, 1, (10, n_embd)).astype(np.float16)
+    toks = np.array([7, 2, 7], np.int32)
+    state = cuda.device_array((3, n_hc, n_embd), np.float32)
+    ops.embed[(2, 3), 32](cuda.to_device(toks), cuda.to_device(table.reshape(-1)), 0, n_embd, n_hc, state)
+    ok = np.array_equal(state.copy_to_host(), np.repeat(table[toks].astype(np.float32)[:, None], n_hc, axis=1))
+    print(f"{'ok ' if ok else 'BAD'} embed [T=3]")
+    if not ok:
+        raise SystemExit(1)
     logits = rng.normal(0, 1, 5000).astype(np.float32)
     top = int(np.argmax(logits))
     logits[4321] = logits[top]                     # a tie: the lower index wins
@@ -291,8 +397,12 @@ if __name__ == "__main__":
     check_glue()
     print(f"   ({time.time() - t0:.0f} s)")
     check_compressor()
-    check_hc()
-    check_qat_and_rope()
+    print(f"   ({time.time() - t0:.0f} s)")
+    check_hc(1)
+    check_hc(2)
+    check_qat_and_rope(1)
+    check_qat_and_rope(3)
+    print(f"   ({time.time() - t0:.0f} s)")
     check_attention()
     check_indexer_select()
     check_indexer_scores()

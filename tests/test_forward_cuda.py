@@ -124,6 +124,27 @@ def test_gpu_prefill_then_decode_equals_decodes(model):
     sb.close()
 
 
+def test_batched_prefill_in_chunks_equals_token_by_token(model):
+    """Chunks of 32 over 140 tokens: chunks cross the 32-row window, ratio-4 and the first
+    ratio-128 emission, and the indexer selects (>= 35); then a decode continues both."""
+    from ds4py.forward_cuda import CudaEngine
+    from ds4py.io import sources
+    tokens = _tokens(141, seed=9)
+    source = sources.DeviceSource(model, progress=False)
+    a = CudaEngine(model, source, 256, prefill_chunk=32)
+    got = np.array(a.prefill(tokens[:-1]), np.float64)
+    assert a.n_past == len(tokens) - 1
+    got_next = np.array(a.decode(tokens[-1]), np.float64)
+    b = CudaEngine(model, source, 256, prefill_chunk=32)
+    want = np.array(b.prefill_by_token(tokens[:-1]), np.float64)
+    want_next = np.array(b.decode(tokens[-1]), np.float64)
+    for name, x, y in (("prefill", got, want), ("decode after", got_next, want_next)):
+        ok, _, _, line = _close(x, y)
+        print(f"batched vs token by token, {name}: {line}")
+        assert ok, line
+    source.close()
+
+
 def test_three_regimes_same_greedy_tokens(model):
     prompt = _tokens(40, seed=5)
     outputs, counters = {}, {}
