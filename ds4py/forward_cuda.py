@@ -13,6 +13,7 @@ pairs and for the byte offsets of the selected experts.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -182,7 +183,15 @@ class CudaEngine:
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 2:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles even sizes up to {ops.ATTN_MAX_DIM}")
-        self.stream = cuda.stream()
+        self.use_graphs = not numba_config.ENABLE_CUDASIM
+        self.stream = self.main_stream = cuda.stream()
+        # A side stream for launches that do not depend on the main chain (the compressors beside
+        # the q/kv projections, the shared expert beside the router and routed experts): forked
+        # from and joined back into the main stream with events, so the captured step has parallel
+        # branches and the small kernels of one fill the SMs the other leaves idle.
+        self.side_stream = cuda.stream() if self.use_graphs else self.stream
+        self._fork_event, self._join_event = cuda.event(timing=False), cuda.event(timing=False)
+        self._forked = False
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
         self.w32 = self.arena.view(np.float32)
@@ -208,7 +217,6 @@ class CudaEngine:
         self._forbid = -1
         self.skip: set[str] = set()
         self._graphs = None
-        self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.reset()
 
     # ---- weights ------------------------------------------------------------------------------
@@ -261,6 +269,29 @@ class CudaEngine:
         self.stream.synchronize()
 
     # ---- launches for T tokens (T = 1: the decode step) -----------------------------------------
+
+    @contextmanager
+    def _branch(self):
+        """Launches inside go to the side stream, after everything issued so far on the main
+        stream; the main stream waits for them at the next _join()."""
+        if self.side_stream is self.main_stream:      # the simulator: one stream, in order
+            yield
+            return
+        self._fork_event.record(self.main_stream)
+        self._fork_event.wait(self.side_stream)
+        self._forked = True
+        self.stream = self.side_stream
+        try:
+            yield
+        finally:
+            self.stream = self.main_stream
+
+    def _join(self):
+        """The main stream waits for the side branch (a no-op when none is open)."""
+        if self._forked:
+            self._join_event.record(self.side_stream)
+            self._join_event.wait(self.main_stream)
+            self._forked = False
 
     def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None):
         """out[t] = W[name] · x[t] for T tokens with ds4's numerics for W's type (Q8_0 on xq/xd, F16
@@ -322,16 +353,23 @@ class CudaEngine:
         freqs = self.freqs_comp if ratio else self.freqs_dense
         if self._on("hc"):
             self._hc_pre(b, p, "attn", p + "attn_norm.weight")
-        if self._on("attn_proj"):
-            self._attn_proj(b, il, freqs)
-        if ratio and self._on("compress"):
-            self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
-                             layer.kv_state, layer.score_state, layer.comp, False)
         # the indexer selects only once a token sees more than idx_topk rows; a prefill chunk
         # whose tokens all see fewer attends to every compressed row (the same rows)
         use_selected = ratio == 4 and (pos0 is None or (pos0 + T) // 4 > s.idx_topk)
-        if ratio == 4 and self._on("index"):
-            self._indexer(b, il, freqs, pos0, use_selected)
+        with self._branch():                  # the compressors only read x
+            if ratio and self._on("compress"):
+                self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
+                                 layer.kv_state, layer.score_state, layer.comp, False)
+            if ratio == 4 and self._on("index"):
+                self._compressor(b, p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
+                                 layer.ikv_state, layer.iscore_state, layer.icomp, True)
+                if use_selected:
+                    self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
+        if self._on("attn_proj"):
+            self._attn_proj(b, il, freqs)
+        self._join()
+        if use_selected and self._on("index"):
+            self._indexer_select(b, il, freqs, pos0)
         if self._on("attention"):
             # head groups x row ranges (fixed for the graph; ranges past the visible rows write neutral
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
@@ -361,19 +399,14 @@ class CudaEngine:
         ops.kv_finish[(1, T), BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
                                          b.pos, freqs, s.n_rot, layer.raw)
 
-    def _indexer(self, b, il: int, freqs, pos0, use_selected: bool):
-        """The indexer lane's compressor, then (when it selects) the top-idx_topk selection of
-        compressed rows per token."""
+    def _indexer_select(self, b, il: int, freqs, pos0):
+        """The top-idx_topk selection of compressed rows per token (the indexer lane's compressor
+        and its head weights ran beside the q/kv projections)."""
         s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
         T = b.T
-        self._compressor(b, p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
-                         layer.ikv_state, layer.iscore_state, layer.icomp, True)
-        if not use_selected:
-            return
         self._proj(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq, T)
         ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
-        self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
         ops.indexer_scores[(n_rows, T), 64, st](
@@ -435,6 +468,11 @@ class CudaEngine:
         p = f"blk.{il}."
         if self._on("hc"):
             self._hc_pre(b, p, "ffn", p + "ffn_norm.weight")
+        if self._on("shared"):
+            with self._branch():              # joined before hc_post, in _ffn_experts
+                self._shared_expert(b, il)
+        if not self.experts_resident:
+            self._join()                      # the graph is cut after the router: join inside it
         if not self._on("router"):
             return
         self._proj(p + "ffn_gate_inp.weight", b.x, None, None, b.router, b.T)
@@ -448,7 +486,7 @@ class CudaEngine:
 
     def _ffn_experts(self, b, il: int, expert_ids_host=None):
         """Routed experts (decode: moe_decode on the device-side slot offsets; prefill: moe_prefill
-        with the ids on the host), the shared expert, HC post."""
+        with the ids on the host), then HC post once the shared expert (side stream) is joined."""
         s, st = self.spec, self.stream
         p = f"blk.{il}."
         T = b.T
@@ -463,13 +501,18 @@ class CudaEngine:
             else:
                 qk.moe_prefill(arena, self.expert_table(il), gate_type, down_type, s.n_embd, s.n_ff, b.x,
                                expert_ids_host, b.route_w, clamp, b.moe_out, st)
-        if self._on("shared"):
-            self._proj_pair(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.x, b.xq, b.xd,
-                            b.sh_gate_up, T)
-            ops.swiglu_q8[(1, T), ops.wide_block(), st](b.sh_gate, b.sh_up, clamp, b.sh_mid, b.sh_q, b.sh_d)
-            self._proj(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out, T)
+        self._join()
         if self._on("hc"):
             ops.hc_post[(16, T), BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
+
+    def _shared_expert(self, b, il: int):
+        s, st = self.spec, self.stream
+        p = f"blk.{il}."
+        self._proj_pair(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight", b.x, b.xq, b.xd,
+                        b.sh_gate_up, b.T)
+        ops.swiglu_q8[(1, b.T), ops.wide_block(), st](b.sh_gate, b.sh_up, s.swiglu_clamp[il], b.sh_mid,
+                                                      b.sh_q, b.sh_d)
+        self._proj(p + "ffn_down_shexp.weight", None, b.sh_q, b.sh_d, b.sh_out, b.T)
 
     def _head(self, b):
         """Output head of b's last token: logits, then the greedy pick."""

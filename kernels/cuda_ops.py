@@ -45,9 +45,16 @@ FP4_MAX = 6.0
 USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
 
 
-# WIDE-thread kernels must fit 1024 threads in the register file (64 registers each at most);
-# the simulator has no register limit to set.
-wide_jit = cuda.jit(cache=True) if numba_config.ENABLE_CUDASIM else cuda.jit(cache=True, max_registers=64)
+def jit_for_threads(threads: int):
+    """cuda.jit for a kernel launched with `threads` threads per block: they must share the SM's
+    64K registers (a 512-thread block may use 128 each, a 1024-thread block 64), or the launch fails
+    with LAUNCH_OUT_OF_RESOURCES; the simulator has no register limit to set."""
+    if numba_config.ENABLE_CUDASIM:
+        return cuda.jit(cache=True)
+    return cuda.jit(cache=True, max_registers=65536 // threads)
+
+
+wide_jit = jit_for_threads(WIDE)
 
 
 def wide_block() -> int:
@@ -725,7 +732,7 @@ def compressor_token(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos, ratio, h
         cuda.syncthreads()
 
 
-@cuda.jit(cache=True)
+@jit_for_threads(BLOCK2)
 def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio, head_dim,
                     n_rot, freqs, indexer_lane, kv_state, score_state, cache):
     """The T tokens of kv_t / sc_t ([T, width]: the lane's kv and gate projections) into a
