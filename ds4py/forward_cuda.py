@@ -106,6 +106,7 @@ class Scratch:
         self.tok = dict(
             state=d((P, s.n_hc, s.n_embd), f32),
             part_dot=d((P, s.hc_mix, n_chunks), f32), part_sq=d((P, n_chunks), np.float64),
+            part_gram=d((P, s.n_hc * s.n_hc, n_chunks), np.float64),
             post=d((P, s.n_hc), f32), comb=d((P, s.n_hc * s.n_hc), f32),
             x=d((P, s.n_embd), f32), xq=d((P, s.n_embd), i8), xd=d((P, s.n_embd // 32), f32),
             qr_kv=d((P, s.q_lora + s.head_dim), f32),     # q_a and kv projections, one launch
@@ -190,7 +191,8 @@ class CudaEngine:
         # from and joined back into the main stream with events, so the captured step has parallel
         # branches and the small kernels of one fill the SMs the other leaves idle.
         self.side_stream = cuda.stream() if self.use_graphs else self.stream
-        self._fork_event, self._join_event = cuda.event(timing=False), cuda.event(timing=False)
+        self._fork_event, self._join_event = (cuda.event(timing=False), cuda.event(timing=False)) \
+            if self.use_graphs else (None, None)
         self._forked = False
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
@@ -328,19 +330,23 @@ class CudaEngine:
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
         """Sublayer input from the HC state: the mixer's partial dots, then hc_pre."""
         s, st = self.spec, self.stream
-        self._hc_mix(b, b.state, self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix)
-        ops.hc_pre[(2, b.T), ops.wide_block(), st](
-            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, self.w32, self.off32(f"{prefix}hc_{sub}_scale.weight"),
-            self.off32(f"{prefix}hc_{sub}_base.weight"), self.off32(norm_name),
-            s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
+        self._hc_mix(b, b.state, self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix, gram=True)
+        x_blocks = (s.n_embd + BLOCK - 1) // BLOCK          # + one block for the Sinkhorn comb
+        ops.hc_pre[(x_blocks + 1, b.T), BLOCK, st](
+            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
+            self.off32(f"{prefix}hc_{sub}_scale.weight"), self.off32(f"{prefix}hc_{sub}_base.weight"),
+            self.off32(norm_name), s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
-    def _hc_mix(self, b, state, fn_off16: int, n_rows: int):
+    def _hc_mix(self, b, state, fn_off16: int, n_rows: int, gram: bool = False):
         """mix = fn · RMS-normalised flat state, as partial dots over chunks of the flat state; the
-        consumer (hc_pre, hc_head) adds the partials. state: [T', n_hc, n_embd], T' <= b.T."""
+        consumer (hc_pre, hc_head) adds the partials; with `gram`, also the streams' Gram matrix
+        partials hc_pre needs. state: [T', n_hc, n_embd], T' <= b.T."""
         n_tok = state.shape[0]
         n_chunks = b.part_dot.shape[2]
-        ops.hc_mix_partial[(n_rows, n_chunks, n_tok), BLOCK, self.stream](
-            state, self.w16, fn_off16, b.hc_chunk, b.part_dot[:n_tok, :n_rows], b.part_sq[:n_tok])
+        gram_rows = self.spec.n_hc ** 2 if gram else 0
+        ops.hc_mix_partial[(n_rows + gram_rows, n_chunks, n_tok), BLOCK, self.stream](
+            state, self.w16, fn_off16, b.hc_chunk, b.part_dot[:n_tok, :n_rows], b.part_sq[:n_tok],
+            b.part_gram[:n_tok])
 
     def _attention(self, b, il: int, pos0=None):
         """The attention sublayer for b.T tokens; pos0 (prefill) is the chunk's first position, known
@@ -392,12 +398,13 @@ class CudaEngine:
         p = f"blk.{il}."
         T = b.T
         self._proj_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv, T)
+        with self._branch():                  # the KV row feeds only the attention (after the join)
+            ops.kv_finish[(1, T), BLOCK, self.stream](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"),
+                                                      s.rms_eps, b.pos, freqs, s.n_rot, layer.raw)
         ops.rmsnorm_q8[(1, T), BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
                                           b.qrn, b.qrn_q, b.qrn_d)
         self._proj(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, T)
         ops.q_heads[(s.n_head, T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
-        ops.kv_finish[(1, T), BLOCK, st](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"), s.rms_eps,
-                                         b.pos, freqs, s.n_rot, layer.raw)
 
     def _indexer_select(self, b, il: int, freqs, pos0):
         """The top-idx_topk selection of compressed rows per token (the indexer lane's compressor

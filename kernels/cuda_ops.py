@@ -273,16 +273,35 @@ def hc_chunk(n_embd: int) -> int:
 
 
 @cuda.jit(cache=True)
-def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq):
+def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
     """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
     never straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks
     also write the chunk's Σx² (in double) for the RMS scale. state [T, n_hc, n_embd], part_dot
-    [T, rows, chunks], part_sq [T, chunks]."""
+    [T, rows, chunks], part_sq [T, chunks].
+
+    Blocks past the mixer rows (grid rows + n_hc², for hc_pre) write the Gram matrix of the
+    streams, G[h][h'] = Σ_d X_h[d]·X_h'[d], in double, as partials over n_chunks equal d-ranges
+    (part_gram [T, n_hc², chunks]): with it hc_pre knows Σy² of y = Σ a_h X_h (= Σ a_h a_h' G)
+    before it has y, so its collapse needs no block-wide reduction and spreads over many blocks."""
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     t = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     _, n_hc, n_embd = state.shape
+    n_rows = part_dot.shape[1]
+    if row >= n_rows:                       # block-uniform: a Gram partial
+        pair = row - n_rows
+        h_a = pair // n_hc
+        h_b = pair - h_a * n_hc
+        span = n_embd // part_dot.shape[2]
+        scratch_g = cuda.shared.array(BLOCK, float64)
+        gram = float64(0.0)
+        for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
+            gram += float64(state[t, h_a, d]) * float64(state[t, h_b, d])
+        total_gram = block_sum(gram, scratch_g)
+        if tid == 0:
+            part_gram[t, pair, chunk] = total_gram
+        return
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
@@ -472,27 +491,82 @@ def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64)
     quantize_q8_0_block_values(x_out, xq, xd)
 
 
-@wide_jit
-def hc_pre(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, n_iter, hc_eps, rms_eps,
-           post_out, comb_out, x_out, xq, xd):
-    """HC reduce for one sublayer, launched with 2 blocks per token (grid (2, T)) that run side by
-    side: block 1 computes the post gates and the Sinkhorn comb matrix (needed only by hc_post),
-    block 0 the pre gates, y = Σ pre·X, x = RMSNorm(y)·w and x quantized to Q8_0 for the
-    projections that read it. Per-token rows: state[t], part_dot[t], post_out[t], x_out[t], ..."""
+@cuda.jit(device=True)
+def gram_values(part_gram, gram):
+    """gram[k] = Σ_chunk part_gram[k, chunk] (double) into shared memory, then a barrier; a warp
+    per entry on the GPU (lanes = chunks, at most 32), a thread per entry in the simulator."""
+    tid = cuda.threadIdx.x
+    n_pairs, n_chunks = part_gram.shape
+    if USE_SHUFFLES:
+        lane = tid % 32
+        for k in range(tid // 32, n_pairs, cuda.blockDim.x // 32):
+            total = warp_sum_f32(part_gram[k, lane] if lane < n_chunks else float64(0.0))
+            if lane == 0:
+                gram[k] = total
+    elif tid < n_pairs:
+        total = float64(0.0)
+        for c in range(n_chunks):
+            total += part_gram[tid, c]
+        gram[tid] = total
+    cuda.syncthreads()
+
+
+@cuda.jit(cache=True)
+def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_off, n_iter, hc_eps,
+           rms_eps, post_out, comb_out, x_out, xq, xd):
+    """HC reduce for one sublayer: grid (n_embd/BLOCK + 1, T) blocks of BLOCK threads. The last
+    block of a token computes the post gates and the Sinkhorn comb matrix (needed only by
+    hc_post); the others take BLOCK values each of the collapse: the pre gates a_h, y = Σ a_h X_h,
+    x = y · rsqrt(Σy²/n + eps) · w (Σy² = Σ a_h a_h' G[h][h'] from the mixer's Gram partials),
+    and x quantized to Q8_0, a warp per 32-value block. A thread's state and norm loads are
+    issued before it waits for the mixer sums. Per-token rows: state[t], part_dot[t], x_out[t]..."""
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
     mix = cuda.shared.array(64, float32)
-    hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
-    if cuda.blockIdx.x == 1:
+    if cuda.blockIdx.x == cuda.gridDim.x - 1:          # block-uniform
+        hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
         sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out[t], comb_out[t])
         return
-    pre = cuda.shared.array(16, float32)
-    scratch64 = cuda.shared.array(BLOCK, float64)
-    if tid < n_hc:
-        pre[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
-    cuda.syncthreads()
-    collapse_norm_q8(state[t], pre, w32, norm_off, rms_eps, x_out[t], xq[t], xd[t], scratch64)
+    i = cuda.blockIdx.x * cuda.blockDim.x + tid
+    inside = i < n_embd                                # warp-uniform: n_embd % 32 == 0
+    values = cuda.local.array(16, float32)
+    norm_w = float32(0.0)
+    if inside:
+        for h in range(n_hc):
+            values[h] = state[t, h, i]
+        norm_w = w32[norm_off + i]
+    gram = cuda.shared.array(16, float64)
+    hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
+    gram_values(part_gram[t], gram)
+    gates = cuda.local.array(16, float32)
+    for h in range(n_hc):
+        gates[h] = sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(hc_eps)
+    sumsq = float64(0.0)
+    for h in range(n_hc):
+        row = float64(0.0)
+        for h2 in range(n_hc):
+            row += float64(gates[h2]) * gram[h * n_hc + h2]
+        sumsq += float64(gates[h]) * row
+    scale = rms_scale(sumsq, n_embd, rms_eps)
+    y = float32(0.0)
+    for h in range(n_hc):
+        y += gates[h] * values[h]
+    x = y * scale * norm_w
+    if inside:
+        x_out[t, i] = x
+    if USE_SHUFFLES:
+        if inside:
+            lane = tid % 32
+            d, inv = q8_0_scale(warp_max_f32(abs(x)))
+            xq[t, i] = q8_0_value(x, inv)
+            if lane == 0:
+                xd[t, i // 32] = d
+    else:
+        cuda.syncthreads()
+        block = i // 32
+        if tid % 32 == 0 and inside:
+            quantize_q8_0_serial(x_out[t], block, xq[t], xd[t])
 
 
 @wide_jit

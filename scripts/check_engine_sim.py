@@ -179,11 +179,10 @@ class HostHcMix:
     mixer is still exercised; the kernel itself is checked with T > 1 in cuda_ops_sim_checks.py."""
 
     def __getitem__(self, launch):
-        n_rows = launch[0][0]
-
-        def run(state, w16, fn_off, chunk_len, part_dot, part_sq):
+        def run(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
             st = _host(state).astype(np.float64)
             n_tok, n_hc, n_embd = st.shape
+            n_rows = part_dot.shape[1]
             flat = st.reshape(n_tok, n_hc * n_embd)
             w = _host_arena(w16)[fn_off:fn_off + n_rows * n_hc * n_embd].astype(np.float64)
             w = w.reshape(n_rows, -1)
@@ -192,6 +191,10 @@ class HostHcMix:
             dots = np.einsum("rcj,tcj->trc", w.reshape(n_rows, n_chunks, chunk_len), fc_)
             part_dot._ary[...] = dots.astype(np.float32)
             part_sq._ary[...] = (fc_ ** 2).sum(-1)
+            if launch[0][0] > n_rows:       # hc_pre's Gram partials over n_chunks d-ranges
+                sr = st.reshape(n_tok, n_hc, n_chunks, n_embd // n_chunks)
+                gram = np.einsum("tacj,tbcj->tabc", sr, sr).reshape(n_tok, n_hc * n_hc, n_chunks)
+                part_gram._ary[:n_tok] = gram
         return run
 
 

@@ -51,25 +51,30 @@ def check_hc(n_tok):
     n_chunks = n_hc * n_embd // chunk
     part_dot = cuda.device_array((n_tok, mix_rows, n_chunks), np.float32)
     part_sq = cuda.device_array((n_tok, n_chunks), np.float64)
-    ops.hc_mix_partial[(mix_rows, n_chunks, n_tok), 64](d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq)
+    part_gram = cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64)
+    ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), 64](
+        d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram)
     post = cuda.device_array((n_tok, n_hc), np.float32)
     comb = cuda.device_array((n_tok, n_hc * n_hc), np.float32)
     x = cuda.device_array((n_tok, n_embd), np.float32)
     xq, xd = cuda.device_array((n_tok, n_embd), np.int8), cuda.device_array((n_tok, n_embd // 32), np.float32)
-    ops.hc_pre[(2, n_tok), BLOCK](d_state, part_dot, part_sq, d_arena.view(np.float32), off32, off32 + 3,
-                                  off32 + 3 + mix_rows, 20, 1e-6, 1e-6, post, comb, x, xq, xd)
+    x_blocks = (n_embd + 64 - 1) // 64               # blocks of 64 threads: 4 collapse blocks + Sinkhorn
+    ops.hc_pre[(x_blocks + 1, n_tok), 64](d_state, part_dot, part_sq, part_gram, d_arena.view(np.float32), off32,
+                                          off32 + 3, off32 + 3 + mix_rows, 20, 1e-6, 1e-6, post, comb, x, xq, xd)
     f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     post_h, comb_h = post.copy_to_host(), comb.copy_to_host()
     ops.hc_post[(4, n_tok), 64](d_state, cuda.to_device(f_a), cuda.to_device(f_b), post, comb)
     new_state = d_state.copy_to_host()
     pd_all, ps_all = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
+    pg_all = part_gram.copy_to_host()
     x_h, q_h, d_h = x.copy_to_host(), xq.copy_to_host(), xd.copy_to_host()
     for t in range(n_tok):
         tag = f" [T={n_tok} t={t}]"
         state = states[t]
         flat = state.reshape(-1).astype(np.float64)
         close("Σx² partials" + tag, ps_all[t].sum(), np.sum(flat ** 2), 1e-6)
+        close("Gram partials" + tag, pg_all[t].sum(1), (state.astype(np.float64) @ state.T.astype(np.float64)).reshape(-1), 1e-9)
         want_mix = fn.astype(np.float64) @ (flat / np.sqrt(np.mean(flat ** 2) + 1e-6))
         close("hc_mix partials" + tag, pd_all[t].sum(1) / np.sqrt(ps_all[t].sum() / flat.size + 1e-6), want_mix, 1e-5)
         m = want_mix
