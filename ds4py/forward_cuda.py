@@ -104,7 +104,7 @@ class Scratch:
         assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         # [n_tok, ...] buffers
         self.tok = dict(
-            state=d((P, s.n_hc, s.n_embd), f32),
+            state=d((P, s.n_hc, s.n_embd), f32), state_b=d((P, s.n_hc, s.n_embd), f32),
             part_dot=d((P, s.hc_mix, n_chunks), f32), part_sq=d((P, n_chunks), np.float64),
             part_gram=d((P, s.n_hc * s.n_hc, n_chunks), np.float64),
             post=d((P, s.n_hc), f32), comb=d((P, s.n_hc * s.n_hc), f32),
@@ -158,6 +158,9 @@ class Scratch:
             setattr(v, name, a[:T * width])
         v.qr, v.kv = v.qr_kv[:, :s.q_lora], v.qr_kv[:, s.q_lora:]
         v.sh_gate, v.sh_up = v.sh_gate_up[:, :s.n_ff], v.sh_gate_up[:, s.n_ff:]
+        # the HC state alternates between two buffers (hc_post_mix writes out of place); `cur`
+        # says which one holds it: embed starts each step or chunk in states[0]
+        v.states, v.cur = (v.state, v.state_b), 0
         self._views[T] = v
         return v
 
@@ -190,10 +193,12 @@ class CudaEngine:
         # the q/kv projections, the shared expert beside the router and routed experts): forked
         # from and joined back into the main stream with events, so the captured step has parallel
         # branches and the small kernels of one fill the SMs the other leaves idle.
-        self.side_stream = cuda.stream() if self.use_graphs else self.stream
-        self._fork_event, self._join_event = (cuda.event(timing=False), cuda.event(timing=False)) \
-            if self.use_graphs else (None, None)
-        self._forked = False
+        # "aux" takes the routed experts' input quantization while the router runs. The simulator
+        # has no events: there everything stays on the main stream, in order.
+        names = ("side", "aux") if self.use_graphs else ()
+        self.side_streams = {name: cuda.stream() for name in names}
+        self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}
+        self._open_branches: set[str] = set()
         self.arena = source.arena
         self.w16 = self.arena.view(np.float16)
         self.w32 = self.arena.view(np.float32)
@@ -273,27 +278,30 @@ class CudaEngine:
     # ---- launches for T tokens (T = 1: the decode step) -----------------------------------------
 
     @contextmanager
-    def _branch(self):
-        """Launches inside go to the side stream, after everything issued so far on the main
-        stream; the main stream waits for them at the next _join()."""
-        if self.side_stream is self.main_stream:      # the simulator: one stream, in order
+    def _branch(self, name: str = "side"):
+        """Launches inside go to side stream `name`, after everything issued so far on the main
+        stream; the main stream waits for them at the next _join(name)."""
+        side = self.side_streams.get(name)
+        if side is None:                     # the simulator: one stream, in order
             yield
             return
-        self._fork_event.record(self.main_stream)
-        self._fork_event.wait(self.side_stream)
-        self._forked = True
-        self.stream = self.side_stream
+        fork, _ = self._events[name]
+        fork.record(self.main_stream)
+        fork.wait(side)
+        self._open_branches.add(name)
+        self.stream = side
         try:
             yield
         finally:
             self.stream = self.main_stream
 
-    def _join(self):
-        """The main stream waits for the side branch (a no-op when none is open)."""
-        if self._forked:
-            self._join_event.record(self.side_stream)
-            self._join_event.wait(self.main_stream)
-            self._forked = False
+    def _join(self, name: str = "side"):
+        """The main stream waits for side branch `name` (a no-op when it is not open)."""
+        if name in self._open_branches:
+            _, join = self._events[name]
+            join.record(self.side_streams[name])
+            join.wait(self.main_stream)
+            self._open_branches.discard(name)
 
     def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None):
         """out[t] = W[name] · x[t] for T tokens with ds4's numerics for W's type (Q8_0 on xq/xd, F16
@@ -328,25 +336,47 @@ class CudaEngine:
         self._proj(name_b, x_f32, xq, xd, out[0, rows_a:rows_a + rows_b], 1)
 
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
-        """Sublayer input from the HC state: the mixer's partial dots, then hc_pre."""
+        """Sublayer input from the HC state and the mixer's partials (written by the previous
+        sublayer's hc_post_mix, or by _embed for the first)."""
         s, st = self.spec, self.stream
-        self._hc_mix(b, b.state, self.off16(f"{prefix}hc_{sub}_fn.weight"), s.hc_mix, gram=True)
         x_blocks = (s.n_embd + BLOCK - 1) // BLOCK          # + one block for the Sinkhorn comb
         ops.hc_pre[(x_blocks + 1, b.T), BLOCK, st](
-            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
+            b.states[b.cur], b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
             self.off32(f"{prefix}hc_{sub}_scale.weight"), self.off32(f"{prefix}hc_{sub}_base.weight"),
             self.off32(norm_name), s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
-    def _hc_mix(self, b, state, fn_off16: int, n_rows: int, gram: bool = False):
-        """mix = fn · RMS-normalised flat state, as partial dots over chunks of the flat state; the
-        consumer (hc_pre, hc_head) adds the partials; with `gram`, also the streams' Gram matrix
-        partials hc_pre needs. state: [T', n_hc, n_embd], T' <= b.T."""
-        n_tok = state.shape[0]
-        n_chunks = b.part_dot.shape[2]
-        gram_rows = self.spec.n_hc ** 2 if gram else 0
-        ops.hc_mix_partial[(n_rows + gram_rows, n_chunks, n_tok), BLOCK, self.stream](
-            state, self.w16, fn_off16, b.hc_chunk, b.part_dot[:n_tok, :n_rows], b.part_sq[:n_tok],
-            b.part_gram[:n_tok])
+    def _embed(self, b):
+        """Token embeddings into every HC stream, then the first sublayer's mixer partials."""
+        s = self.spec
+        b.cur = 0
+        ops.embed[(16, b.T), BLOCK, self.stream](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
+                                                 s.n_hc, b.states[0])
+        if self._on("hc"):
+            ops.hc_mix_partial[self._mix_grid(b, s.hc_mix, True), BLOCK, self.stream](
+                b.states[0], self.w16, self.off16("blk.0.hc_attn_fn.weight"), b.hc_chunk,
+                b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram)
+
+    def _mix_grid(self, b, n_rows: int, gram: bool):
+        """(mixer rows [+ n_hc² Gram rows], chunks, tokens): the grid of the mixer partials. hc_pre
+        needs the Gram partials (mix rows of a sublayer); hc_head does not."""
+        return (n_rows + (self.spec.n_hc ** 2 if gram else 0), b.part_dot.shape[2], b.T)
+
+    def _hc_post_mix(self, b, f_a, f_b, next_fn: str):
+        """HC post of the sublayer just computed, fused with the mixer partials of the next one
+        (`next_fn`: its hc_*_fn weight, or output_hc_fn before the head); the new state goes to the
+        other state buffer."""
+        s = self.spec
+        n_rows, gram = (s.n_hc, False) if next_fn == "output_hc_fn.weight" else (s.hc_mix, True)
+        ops.hc_post_mix[self._mix_grid(b, n_rows, gram), BLOCK, self.stream](
+            b.states[b.cur], f_a, f_b, b.post, b.comb, self.w16, self.off16(next_fn), b.hc_chunk,
+            b.states[1 - b.cur], b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
+        b.cur = 1 - b.cur
+
+    def _next_fn(self, il: int, sub: str) -> str:
+        """The mixer weight of the sublayer after (layer il, sub)."""
+        if sub == "attn":
+            return f"blk.{il}.hc_ffn_fn.weight"
+        return f"blk.{il + 1}.hc_attn_fn.weight" if il + 1 < self.spec.n_layer else "output_hc_fn.weight"
 
     def _attention(self, b, il: int, pos0=None):
         """The attention sublayer for b.T tokens; pos0 (prefill) is the chunk's first position, known
@@ -391,7 +421,7 @@ class CudaEngine:
         if self._on("attn_out"):
             self._attn_out(b, il)
         if self._on("hc"):
-            ops.hc_post[(16, T), BLOCK, st](b.state, b.f_attn, b.zeros, b.post, b.comb)
+            self._hc_post_mix(b, b.f_attn, b.zeros, self._next_fn(il, "attn"))
 
     def _attn_proj(self, b, il: int, freqs):
         s, st, layer = self.spec, self.stream, self.layers[il]
@@ -478,8 +508,12 @@ class CudaEngine:
         if self._on("shared"):
             with self._branch():              # joined before hc_post, in _ffn_experts
                 self._shared_expert(b, il)
-        if not self.experts_resident:
-            self._join()                      # the graph is cut after the router: join inside it
+        if b is self.buf and self._on("moe"):  # decode: joined before the experts run
+            with self._branch("aux"):
+                qk.moe_decode_input(b.x[0], b.moe_work, self.stream)
+        if not self.experts_resident:         # the graph is cut after the router: join inside it
+            self._join()
+            self._join("aux")
         if not self._on("router"):
             return
         self._proj(p + "ffn_gate_inp.weight", b.x, None, None, b.router, b.T)
@@ -496,21 +530,21 @@ class CudaEngine:
         with the ids on the host), then HC post once the shared expert (side stream) is joined."""
         s, st = self.spec, self.stream
         p = f"blk.{il}."
-        T = b.T
         clamp = s.swiglu_clamp[il]
         arena = self.source.expert_arena
         gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
         down_type = self.info(p + "ffn_down_exps.weight").ggml_type
         if self._on("moe"):
-            if expert_ids_host is None:
-                qk.moe_decode(arena, b.slot_offsets[0], gate_type, down_type, b.x[0], b.route_w[0], clamp,
-                              b.moe_out[0], b.moe_work, st)
+            if expert_ids_host is None:       # its input was quantized in _ffn_route
+                self._join("aux")
+                qk.moe_decode_experts(arena, b.slot_offsets[0], gate_type, down_type, b.route_w[0], clamp,
+                                      b.moe_out[0], b.moe_work, st)
             else:
                 qk.moe_prefill(arena, self.expert_table(il), gate_type, down_type, s.n_embd, s.n_ff, b.x,
                                expert_ids_host, b.route_w, clamp, b.moe_out, st)
         self._join()
         if self._on("hc"):
-            ops.hc_post[(16, T), BLOCK, st](b.state, b.moe_out, b.sh_out, b.post, b.comb)
+            self._hc_post_mix(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
 
     def _shared_expert(self, b, il: int):
         s, st = self.spec, self.stream
@@ -524,10 +558,10 @@ class CudaEngine:
     def _head(self, b):
         """Output head of b's last token: logits, then the greedy pick."""
         s, st = self.spec, self.stream
-        state = b.state[b.T - 1:b.T]
-        self._hc_mix(b, state, self.off16("output_hc_fn.weight"), s.n_hc)
+        last = b.T - 1                  # the mixer partials came with the last hc_post_mix
         ops.hc_head[(1, 1), ops.wide_block(), st](
-            state, b.part_dot[:1, :s.n_hc], b.part_sq[:1], self.w32, self.off32("output_hc_scale.weight"),
+            b.states[b.cur][last:], b.part_dot[last:, :s.n_hc], b.part_sq[last:], self.w32,
+            self.off32("output_hc_scale.weight"),
             self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
             s.hc_eps, s.rms_eps, b.x[:1], b.xq[:1], b.xd[:1])
         self._proj("output.weight", None, b.xq[:1], b.xd[:1], b.logits, 1)
@@ -537,12 +571,11 @@ class CudaEngine:
     def _segments(self):
         """The decode step as a list of launch functions; the host runs `_between(il)` after
         segment il when experts must be made resident first."""
-        s, b, st = self.spec, self.buf, self.stream
+        s, b = self.spec, self.buf
         segments = []
 
         def first():
-            ops.embed[(16, 1), BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
-                                          s.n_hc, b.state)
+            self._embed(b)
             self._attention(b, 0)
             self._ffn_route(b, 0)
         segments.append(first)
@@ -677,8 +710,7 @@ class CudaEngine:
             pos0 = self._n_past
             b.token.copy_to_device(np.asarray(part, np.int32), stream=st)
             b.pos.copy_to_device(np.arange(pos0, pos0 + T, dtype=np.int32), stream=st)
-            ops.embed[(16, T), BLOCK, st](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
-                                          s.n_hc, b.state)
+            self._embed(b)
             for il in range(s.n_layer):
                 self._attention(b, il, pos0)
                 self._ffn_route(b, il)

@@ -446,6 +446,31 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
+def bench_tune_moe(timer, copy_bw, rng, log, moe):
+    """The routed-expert decode kernels under other launch parameters: gate/up rows per block,
+    warps per block and register cap (occupancy), down units per warp. Same numbers in each
+    (every (row, slot) unit is one warp's work), only the time changes."""
+    from . import cuda as CK
+    res = []
+    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_R_DOWN")
+    saved = tuple(getattr(CK, n) for n in names)
+    variants = [(8, 8, 0, 3), (4, 8, 0, 3), (2, 8, 0, 3), (2, 4, 0, 3), (1, 4, 0, 3), (8, 8, 64, 3),
+                (4, 8, 64, 3), (2, 8, 64, 3), (8, 16, 0, 3), (8, 8, 0, 2), (8, 8, 0, 1)]
+    try:
+        for v in variants:
+            for n, value in zip(names, v):
+                setattr(CK, n, value)
+            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
+                r["variant"] = dict(zip(names, v))
+                res.append(r)
+                log(f"  [gate/up rows {v[0]} warps {v[1]} regs {v[2] or '-'}; down R {v[3]}] "
+                    f"{r['name'][:34]:34s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+    finally:
+        for n, value in zip(names, saved):
+            setattr(CK, n, value)
+    return res
+
+
 def bench_tune(timer, copy_bw, rng, log, moe):
     """Re-time a few shapes under other launch parameters (chunk depth, units per warp)."""
     from . import cuda as CK
@@ -487,7 +512,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune", "tune_moe"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -496,6 +521,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["prefill"] = bench_prefill(timer, rng, log, moe)
     if "tune" in parts:
         res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
+    if "tune_moe" in parts:
+        res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

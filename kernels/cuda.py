@@ -961,6 +961,8 @@ def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
 
 _NW_MOE = 8          # warps per block
 _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
+_NW_GATE_UP = 8      # warps per gate/up decode block
+_REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _R_DOWN = 3          # (row, slot) units per warp in the down decode kernel
 
 
@@ -971,11 +973,12 @@ def _swiglu(g, u, clamp, w):
     return g / (float32(1.0) + math.exp(-g)) * u * w
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0):
     rowdots = _rowdots(wtype, 1, 2, NCH)      # gate row and up row together
     stage = _stages_x(wtype)
+    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
 
-    @cuda.jit
+    @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
@@ -999,7 +1002,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH):
         res = cuda.local.array(2, float32)
         r0 = cuda.blockIdx.x * rpb
         n_units = min(rpb, n_ff - r0) * n_used
-        for unit in range(warp, n_units, _NW_MOE):     # warp-uniform loop
+        for unit in range(warp, n_units, cuda.blockDim.x >> 5):     # warp-uniform loop
             r = r0 + unit // n_used
             k = unit % n_used
             roffs[0] = slot_off[k * 3] + r * rb
@@ -1222,11 +1225,12 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     n_used = slot_offsets.shape[0]
     a16, a32, _ = _arena_views(arena)
     NCH = _nch(n_embd)
-    kernel = _cached(("moe_gu_dec", gate_type, NCH),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH))
+    regs = _REGS_GATE_UP
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs))
     grid_g, ks_g = _iq2_tables()
     rpb = _RPB_GATE_UP
-    kernel[(n_ff + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream), _shmem_x(gate_type, 1, n_embd)](
+    kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), _shmem_x(gate_type, 1, n_embd)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
         _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
         np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), grid_g, ks_g)
@@ -1275,7 +1279,18 @@ def moe_decode(arena, slot_offsets, gate_type, down_type, x, route_w, clamp, out
 
     x: device f32[n_embd]; route_w: device f32[n_used]; out: device f32[n_embd];
     ws: a MoEWorkspace(n_used, n_embd, n_ff)."""
+    moe_decode_input(x, ws, stream)
+    moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream)
+
+
+def moe_decode_input(x, ws, stream=0):
+    """moe_decode's first launch, the input's Q8_K quantization into ws: it depends on x alone,
+    so a caller may run it on another stream while the router picks the experts."""
     quantize_q8_k(x, ws.xq, ws.xd, ws.xbs, stream)
+
+
+def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream=0):
+    """moe_decode after moe_decode_input: gate+up, the middle's Q8_K, down (3 launches)."""
     moe_gate_up(arena, slot_offsets, gate_type, ws.n_embd, ws.n_ff, ws.xq, ws.xd, route_w, clamp,
                 ws.mid, stream, bsums=ws.xbs)
     quantize_q8_k(ws.mid, ws.mq, ws.md, ws.mbs, stream)

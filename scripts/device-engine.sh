@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine: GPU tests, the engine benchmark, a per-kernel ncu profile of one decode step
 # and (optional) the ncu MoE/Q8_0 kernel profile. Everything lands in $OUT (8 files at most).
-# usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [moe] -- [bench args]
+# usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [kbench] [moe]
 source scripts/device-prelude.sh || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 parts=" $* "
@@ -20,6 +20,12 @@ if [[ $parts == *" kernels "* ]]; then
     python3 scripts/profile_step.py > $OUT/ncu_step.csv 2> /tmp/ncu.err
   { tail -3 /tmp/ncu.err; python3 scripts/profile_step.py --summarize $OUT/ncu_step.csv; } > $OUT/kernels.txt 2>&1
   head -40 $OUT/kernels.txt
+fi
+if [[ $parts == *" kbench "* ]]; then
+  # standalone kernel benchmark parts (KBENCH_PARTS, e.g. dense,moe,tune_moe), graph-replayed
+  timeout ${KBENCH_S:-200} python3 scripts/bench_kernels.py --out $OUT/kernel_bench.json \
+    --parts ${KBENCH_PARTS:-moe,tune_moe} > $OUT/kernel_bench.log 2>&1
+  tail -40 $OUT/kernel_bench.log
 fi
 if [[ $parts == *" moe "* ]]; then
   # counters of the routed-expert kernels (and one Q8_0 projection) inside a real decode step
