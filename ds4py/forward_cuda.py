@@ -392,20 +392,28 @@ class CudaEngine:
         # the indexer selects only once a token sees more than idx_topk rows; a prefill chunk
         # whose tokens all see fewer attends to every compressed row (the same rows)
         use_selected = ratio == 4 and (pos0 is None or (pos0 + T) // 4 > s.idx_topk)
-        with self._branch():                  # the compressors only read x
-            if ratio and self._on("compress"):
+        # Three streams until the attention: main q_a+kv -> q norm -> q_b -> q heads; side: the
+        # attention compressor, then the KV row; aux: the indexer lane's compressor and head
+        # weights, then (once the q norm is done) the indexer's q, scores and top-k.
+        if ratio and self._on("compress"):
+            with self._branch():
                 self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
                                  layer.kv_state, layer.score_state, layer.comp, False)
-            if ratio == 4 and self._on("index"):
+        if ratio == 4 and self._on("index"):
+            with self._branch("aux"):
                 self._compressor(b, p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
                                  layer.ikv_state, layer.iscore_state, layer.icomp, True)
                 if use_selected:
                     self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
         if self._on("attn_proj"):
-            self._attn_proj(b, il, freqs)
-        self._join()
+            self._q_a_kv(b, il, freqs)
         if use_selected and self._on("index"):
-            self._indexer_select(b, il, freqs, pos0)
+            with self._branch("aux"):
+                self._indexer_select(b, il, freqs, pos0)
+        if self._on("attn_proj"):
+            self._q_b(b, il, freqs)
+        self._join()
+        self._join("aux")
         if self._on("attention"):
             # head groups x row ranges (fixed for the graph; ranges past the visible rows write neutral
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
@@ -423,22 +431,28 @@ class CudaEngine:
         if self._on("hc"):
             self._hc_post_mix(b, b.f_attn, b.zeros, self._next_fn(il, "attn"))
 
-    def _attn_proj(self, b, il: int, freqs):
+    def _q_a_kv(self, b, il: int, freqs):
+        """q_a and kv projections (one launch), the KV row into the raw ring (side stream: only
+        the attention reads it), the q_a norm (read by q_b and by the indexer's q)."""
         s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
         T = b.T
         self._proj_pair(p + "attn_q_a.weight", p + "attn_kv.weight", b.x, b.xq, b.xd, b.qr_kv, T)
-        with self._branch():                  # the KV row feeds only the attention (after the join)
+        with self._branch():
             ops.kv_finish[(1, T), BLOCK, self.stream](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"),
                                                       s.rms_eps, b.pos, freqs, s.n_rot, layer.raw)
         ops.rmsnorm_q8[(1, T), BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
                                           b.qrn, b.qrn_q, b.qrn_d)
-        self._proj(p + "attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, T)
-        ops.q_heads[(s.n_head, T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
+
+    def _q_b(self, b, il: int, freqs):
+        """The 64 query heads: q_b, then per-head norm and RoPE."""
+        s, st = self.spec, self.stream
+        self._proj(f"blk.{il}.attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, b.T)
+        ops.q_heads[(s.n_head, b.T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
 
     def _indexer_select(self, b, il: int, freqs, pos0):
-        """The top-idx_topk selection of compressed rows per token (the indexer lane's compressor
-        and its head weights ran beside the q/kv projections)."""
+        """The indexer's q, scores and top-idx_topk selection of compressed rows per token (after
+        the indexer lane's compressor and head weights, on the same stream)."""
         s, st, layer = self.spec, self.stream, self.layers[il]
         p = f"blk.{il}."
         T = b.T

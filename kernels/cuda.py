@@ -29,7 +29,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, negate_bytes
+from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, negate_masked
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -231,12 +231,19 @@ def _as_i64(a):
 _TABLES = None
 
 
+def _sign_masks() -> np.ndarray:
+    """uint64[128]: for each 7-bit IQ2_XXS sign index, the byte mask of its 8 signs (byte k = 0xFF
+    where bit k of ksigns[index] is set), so a kernel negates 8 weights with one table load."""
+    bits = np.unpackbits(F.KSIGNS_IQ2XS.astype(np.uint8)[:, None], axis=1, bitorder="little")
+    return (bits.astype(np.uint64) * np.uint64(0xFF) << (np.arange(8, dtype=np.uint64) * np.uint64(8))).sum(
+        axis=1, dtype=np.uint64)
+
+
 def _iq2_tables():
-    """Device copies of the IQ2_XXS grid (uint64[256]) and sign table (uint8[128]), made once."""
+    """Device copies of the IQ2_XXS grid (uint64[256]) and sign masks (uint64[128]), made once."""
     global _TABLES
     if _TABLES is None:
-        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)),
-                   cuda.to_device(F.KSIGNS_IQ2XS.astype(np.uint8)))
+        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)), cuda.to_device(_sign_masks()))
     return _TABLES
 
 
@@ -595,9 +602,9 @@ def _make_compute_iq2_xxs(T):
         aux1 = raw[o + 2]
         for l in range(4):
             gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
-            s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
-            wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
-            wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
+            sm = ks_s[_ix(bfe(aux1, 7 * l, 7))]              # their 8 sign byte masks
+            wv[2 * l] = negate_masked(uint32(gv & uint64(0xFFFFFFFF)), uint32(sm & uint64(0xFFFFFFFF)))
+            wv[2 * l + 1] = negate_masked(uint32(gv >> uint64(32)), uint32(sm >> uint64(32)))
         ls = imad(bfe(aux1, 28, 4), 2, 1)                   # 2*s + 1
         dw = f16_bits_to_f32(dbits)
         xw = 9 * (8 * sb + j)
@@ -828,7 +835,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
     @cuda.jit
     def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        ks_s = cuda.shared.array(128, uint64)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -982,7 +989,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0):
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        ks_s = cuda.shared.array(128, uint64)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1024,7 +1031,7 @@ def _moe_down_decode_kernel(wtype, NCH, R):
     def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
                         grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        ks_s = cuda.shared.array(128, uint64)
         part = cuda.shared.array(UPB, float32)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
@@ -1079,7 +1086,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     def moe_gate_up_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd,
                           xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        ks_s = cuda.shared.array(128, uint64)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
@@ -1129,7 +1136,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
     def moe_down_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs,
                        nsb, rb, n_embd, pair_out, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        ks_s = cuda.shared.array(128, uint64)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]

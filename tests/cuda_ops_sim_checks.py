@@ -64,6 +64,8 @@ def check_hc(n_tok):
     f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     post_h, comb_h = post.copy_to_host(), comb.copy_to_host()
+    pd_all, ps_all = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
+    pg_all = part_gram.copy_to_host()
     # the engine's fused form first (out of place, with the next mixer's partials), then hc_post
     # in place on the same inputs: the new states must be bit-identical
     d_fa, d_fb = cuda.to_device(f_a), cuda.to_device(f_b)
@@ -84,8 +86,6 @@ def check_hc(n_tok):
     for name, fused, plain in (("dots", f_dot, part_dot), ("Σx²", f_sq, part_sq), ("Gram", f_gram, part_gram)):
         close(f"hc_post_mix {name} == hc_mix_partial of the new state [T={n_tok}]", fused.copy_to_host(),
               plain.copy_to_host(), 1e-6)
-    pd_all, ps_all = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
-    pg_all = part_gram.copy_to_host()
     x_h, q_h, d_h = x.copy_to_host(), xq.copy_to_host(), xd.copy_to_host()
     for t in range(n_tok):
         tag = f" [T={n_tok} t={t}]"
