@@ -104,7 +104,7 @@ class Scratch:
         assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         # [n_tok, ...] buffers
         self.tok = dict(
-            state=d((P, s.n_hc, s.n_embd), f32), state_b=d((P, s.n_hc, s.n_embd), f32),
+            state=d((P, s.n_hc, s.n_embd), f32),
             part_dot=d((P, s.hc_mix, n_chunks), f32), part_sq=d((P, n_chunks), np.float64),
             part_gram=d((P, s.n_hc * s.n_hc, n_chunks), np.float64),
             post=d((P, s.n_hc), f32), comb=d((P, s.n_hc * s.n_hc), f32),
@@ -158,9 +158,6 @@ class Scratch:
             setattr(v, name, a[:T * width])
         v.qr, v.kv = v.qr_kv[:, :s.q_lora], v.qr_kv[:, s.q_lora:]
         v.sh_gate, v.sh_up = v.sh_gate_up[:, :s.n_ff], v.sh_gate_up[:, s.n_ff:]
-        # the HC state alternates between two buffers (hc_post_mix writes out of place); `cur`
-        # says which one holds it: embed starts each step or chunk in states[0]
-        v.states, v.cur = (v.state, v.state_b), 0
         self._views[T] = v
         return v
 
@@ -336,41 +333,35 @@ class CudaEngine:
         self._proj(name_b, x_f32, xq, xd, out[0, rows_a:rows_a + rows_b], 1)
 
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
-        """Sublayer input from the HC state and the mixer's partials (written by the previous
-        sublayer's hc_post_mix, or by _embed for the first)."""
+        """Sublayer input from the HC state and the mixer's partials (launched by the previous
+        sublayer's _hc_post, or by _embed for the first)."""
         s, st = self.spec, self.stream
         x_blocks = (s.n_embd + BLOCK - 1) // BLOCK          # + one block for the Sinkhorn comb
         ops.hc_pre[(x_blocks + 1, b.T), BLOCK, st](
-            b.states[b.cur], b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
+            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
             self.off32(f"{prefix}hc_{sub}_scale.weight"), self.off32(f"{prefix}hc_{sub}_base.weight"),
             self.off32(norm_name), s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
 
     def _embed(self, b):
         """Token embeddings into every HC stream, then the first sublayer's mixer partials."""
         s = self.spec
-        b.cur = 0
         ops.embed[(16, b.T), BLOCK, self.stream](b.token, self.w16, self.off16("token_embd.weight"), s.n_embd,
-                                                 s.n_hc, b.states[0])
+                                                 s.n_hc, b.state)
         if self._on("hc"):
-            ops.hc_mix_partial[self._mix_grid(b, s.hc_mix, True), BLOCK, self.stream](
-                b.states[0], self.w16, self.off16("blk.0.hc_attn_fn.weight"), b.hc_chunk,
-                b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram)
+            self._hc_mix(b, "blk.0.hc_attn_fn.weight")
 
-    def _mix_grid(self, b, n_rows: int, gram: bool):
-        """(mixer rows [+ n_hc² Gram rows], chunks, tokens): the grid of the mixer partials. hc_pre
-        needs the Gram partials (mix rows of a sublayer); hc_head does not."""
-        return (n_rows + (self.spec.n_hc ** 2 if gram else 0), b.part_dot.shape[2], b.T)
-
-    def _hc_post_mix(self, b, f_a, f_b, next_fn: str):
-        """HC post of the sublayer just computed, fused with the mixer partials of the next one
-        (`next_fn`: its hc_*_fn weight, or output_hc_fn before the head); the new state goes to the
-        other state buffer."""
+    def _hc_mix(self, b, fn_name: str):
+        """The mixer partials of the next sublayer (`fn_name`: its hc_*_fn weight; output_hc_fn
+        before the head) over the current state, with the streams' Gram partials hc_pre needs."""
         s = self.spec
-        n_rows, gram = (s.n_hc, False) if next_fn == "output_hc_fn.weight" else (s.hc_mix, True)
-        ops.hc_post_mix[self._mix_grid(b, n_rows, gram), BLOCK, self.stream](
-            b.states[b.cur], f_a, f_b, b.post, b.comb, self.w16, self.off16(next_fn), b.hc_chunk,
-            b.states[1 - b.cur], b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
-        b.cur = 1 - b.cur
+        n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
+        ops.hc_mix_partial[(n_rows + gram_rows, b.part_dot.shape[2], b.T), BLOCK, self.stream](
+            b.state, self.w16, self.off16(fn_name), b.hc_chunk, b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
+
+    def _hc_post(self, b, f_a, f_b, next_fn: str):
+        """HC post of the sublayer just computed (in place), then the next sublayer's mixer partials."""
+        ops.hc_post[(16, b.T), BLOCK, self.stream](b.state, f_a, f_b, b.post, b.comb)
+        self._hc_mix(b, next_fn)
 
     def _next_fn(self, il: int, sub: str) -> str:
         """The mixer weight of the sublayer after (layer il, sub)."""
@@ -429,7 +420,7 @@ class CudaEngine:
         if self._on("attn_out"):
             self._attn_out(b, il)
         if self._on("hc"):
-            self._hc_post_mix(b, b.f_attn, b.zeros, self._next_fn(il, "attn"))
+            self._hc_post(b, b.f_attn, b.zeros, self._next_fn(il, "attn"))
 
     def _q_a_kv(self, b, il: int, freqs):
         """q_a and kv projections (one launch), the KV row into the raw ring (side stream: only
@@ -558,7 +549,7 @@ class CudaEngine:
                                expert_ids_host, b.route_w, clamp, b.moe_out, st)
         self._join()
         if self._on("hc"):
-            self._hc_post_mix(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
+            self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
 
     def _shared_expert(self, b, il: int):
         s, st = self.spec, self.stream
@@ -572,9 +563,9 @@ class CudaEngine:
     def _head(self, b):
         """Output head of b's last token: logits, then the greedy pick."""
         s, st = self.spec, self.stream
-        last = b.T - 1                  # the mixer partials came with the last hc_post_mix
+        last = b.T - 1                  # the mixer partials came with the last _hc_post
         ops.hc_head[(1, 1), ops.wide_block(), st](
-            b.states[b.cur][last:], b.part_dot[last:, :s.n_hc], b.part_sq[last:], self.w32,
+            b.state[last:], b.part_dot[last:, :s.n_hc], b.part_sq[last:], self.w32,
             self.off32("output_hc_scale.weight"),
             self.off32("output_hc_base.weight"), self.off32("output_norm.weight"),
             s.hc_eps, s.rms_eps, b.x[:1], b.xq[:1], b.xd[:1])

@@ -8,10 +8,8 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``bfe(x, pos, n)``: bits pos..pos+n-1 of a 32-bit word (PTX bfe.u32), as int32.
 * ``imad(a, b, c)``: a*b + c in 32-bit (numba would widen a 32x32 product to 64 bits).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
-  Exact for bytes in 1..0x7F (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
+  Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
-* ``negate_masked(g, m)``: the same with the byte mask m (0xFF = negate) given, e.g. from a
-  table: 2 instructions fewer per word.
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -52,10 +50,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
                 b = (-b) & 0xFF
             out |= b << (8 * k)
         return np.uint32(out)
-
-    def negate_masked(g, m):
-        nibble = sum(1 << k for k in range(4) if (int(m) >> (8 * k)) & 0xFF)
-        return negate_bytes(g, nibble)
 
 else:
     from llvmlite import ir
@@ -136,20 +130,6 @@ else:
                    "xor.b32 o, $1, m; "
                    "and.b32 m, m, 0x01010101; "
                    "add.u32 $0, o, m; }")
-            return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
-
-        return sig, codegen
-
-    @intrinsic
-    def negate_masked(typingctx, g, m):
-        if not all(isinstance(t, types.Integer) for t in (g, m)):
-            return None
-        sig = types.uint32(g, m)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 2)
-            asm = "{ .reg .b32 o, a; xor.b32 o, $1, $2; and.b32 a, $2, 0x01010101; add.u32 $0, o, a; }"
             return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
 
         return sig, codegen

@@ -324,80 +324,24 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
 
 
 @cuda.jit(cache=True)
-def hc_post_mix(state_in, f_a, f_b, post, comb, w16, fn_off, chunk_len, state_out, part_dot, part_sq,
-                part_gram):
-    """The HC post of one sublayer fused with the next mixer's partials (hc_mix_partial's grid and
-    outputs): every block computes the new state values it needs from state_in (hc_post_value,
-    the same bits in every block), row-0 blocks store them in state_out. Out of place (the engine
-    alternates two state buffers), since other blocks still read the old values."""
-    row = cuda.blockIdx.x
-    chunk = cuda.blockIdx.y
-    t = cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    _, n_hc, n_embd = state_in.shape
-    n_rows = part_dot.shape[1]
-    if row >= n_rows:                       # block-uniform: a Gram partial
-        pair = row - n_rows
-        h_a = pair // n_hc
-        h_b = pair - h_a * n_hc
-        span = n_embd // part_dot.shape[2]
-        scratch_g = cuda.shared.array(BLOCK, float64)
-        gram = float64(0.0)
-        for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
-            va = hc_post_value(state_in, f_a, f_b, post, comb, t, h_a, d)
-            vb = hc_post_value(state_in, f_a, f_b, post, comb, t, h_b, d)
-            gram += float64(va) * float64(vb)
-        total_gram = block_sum(gram, scratch_g)
-        if tid == 0:
-            part_gram[t, pair, chunk] = total_gram
-        return
-    start = chunk * chunk_len
-    stream = start // n_embd
-    d0 = start - stream * n_embd
-    base = fn_off + row * n_hc * n_embd + start
-    scratch64 = cuda.shared.array(BLOCK, float64)
-    scratch32 = cuda.shared.array(BLOCK, float32)
-    sumsq = float64(0.0)
-    dot = float32(0.0)
-    for j in range(tid, chunk_len, cuda.blockDim.x):
-        v = hc_post_value(state_in, f_a, f_b, post, comb, t, stream, d0 + j)
-        if row == 0:
-            state_out[t, stream, d0 + j] = v
-        dot += float32(w16[base + j]) * v
-        sumsq += float64(v) * float64(v)
-    total_dot = block_sum(dot, scratch32)
-    if row == 0:
-        total_sq = block_sum(sumsq, scratch64)
-        if tid == 0:
-            part_sq[t, chunk] = total_sq
-    if tid == 0:
-        part_dot[t, row, chunk] = total_dot
-
-
-@cuda.jit(device=True)
-def hc_post_value(state, f_a, f_b, post, comb, t, j, d):
-    """X_new[j][d] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i][d] (§6.3): one expression for
-    every kernel that computes it, so they all get the same bits."""
-    n_hc = state.shape[1]
-    acc = post[t, j] * (f_a[t, d] + f_b[t, d])
-    for i in range(n_hc):
-        acc += comb[t, i * n_hc + j] * state[t, i, d]
-    return acc
-
-
-@cuda.jit(cache=True)
 def hc_post(state, f_a, f_b, post, comb):
-    """The HC post of a sublayer in place (§6.3), f_b may be zeros: the engine fuses it with the
-    next mixer (hc_post_mix); this one is kept for the kernel checks. Token t = blockIdx.y: state
-    [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb [T, n_hc²]."""
+    """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be zeros.
+    Token t = blockIdx.y: state [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb
+    [T, n_hc²]. (Fused with the next mixer's partial dots it was slower, twice: 17 us per launch
+    against 5.5 + 6 (session 2), and an out-of-place version over the mixer's grid 15.9 us against
+    5.4 + 7.8, whole step +0.3 ms (session 3); ncu and leave-one-out on the H200.)"""
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
-    new = cuda.local.array(16, float32)
+    old = cuda.local.array(16, float32)
     for d in range(cuda.grid(1), n_embd, cuda.gridDim.x * cuda.blockDim.x):
+        f = f_a[t, d] + f_b[t, d]
+        for i in range(n_hc):
+            old[i] = state[t, i, d]
         for j in range(n_hc):
-            new[j] = hc_post_value(state, f_a, f_b, post, comb, t, j, d)
-        for j in range(n_hc):
-            state[t, j, d] = new[j]
+            acc = post[t, j] * f
+            for i in range(n_hc):
+                acc += comb[t, i * n_hc + j] * old[i]
+            state[t, j, d] = acc
 
 
 @cuda.jit(device=True)

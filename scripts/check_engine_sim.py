@@ -187,23 +187,8 @@ class HostHcMix:
     Σx² per chunk, written into the views the engine passes), so the engine's wiring of the HC
     mixer is still exercised; the kernel itself is checked with T > 1 in cuda_ops_sim_checks.py."""
 
-    def __init__(self, post_first=False):
-        self.post_first = post_first        # the hc_post_mix form: post into state_out, then mix
-
     def __getitem__(self, launch):
-        def run(*args):
-            if self.post_first:
-                state_in, f_a, f_b, post, comb, w16, fn_off, chunk_len, state, part_dot, part_sq, part_gram = args
-                old, fs = _host(state_in).astype(np.float32), (_host(f_a) + _host(f_b)).astype(np.float32)
-                post_h, comb_h = _host(post), _host(comb)
-                n_hc = old.shape[1]
-                new = post_h[:, :, None] * fs[:, None, :]
-                for j in range(n_hc):
-                    for i in range(n_hc):
-                        new[:, j] += comb_h[:, i * n_hc + j, None] * old[:, i]
-                state._ary[...] = new.astype(np.float32)
-            else:
-                state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram = args
+        def run(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
             st = _host(state).astype(np.float64)
             n_tok, n_hc, n_embd = st.shape
             n_rows = part_dot.shape[1]
@@ -288,7 +273,6 @@ def main_prefill(n_tokens, chunk):
     fc.qk = HostQuantKernels
     from ds4py.forward_cpu import CpuEngine
     ops.hc_mix_partial = HostHcMix()
-    ops.hc_post_mix = HostHcMix(post_first=True)
     spec = dataclasses.replace(synth.preset_spec("tiny"), n_swa=8, idx_topk=2)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/small.gguf"
