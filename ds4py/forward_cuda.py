@@ -182,8 +182,9 @@ class CudaEngine:
         if most_rows > ops.ATTN_MAX_ROWS:
             raise Ds4Error(f"--ctx {n_ctx} gives up to {most_rows} attention rows per head; the GPU attention "
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
-        if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 2:
-            raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles even sizes up to {ops.ATTN_MAX_DIM}")
+        if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
+            raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
+                           f"{ops.ATTN_MAX_DIM}")
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.stream = self.main_stream = cuda.stream()
         # A side stream for launches that do not depend on the main chain (the compressors beside
@@ -416,7 +417,7 @@ class CudaEngine:
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
             ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
-                s.head_dim, s.n_rot, freqs, s.n_group, b.attn)
+                s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
         if self._on("attn_out"):
             self._attn_out(b, il)
         if self._on("hc"):
@@ -463,8 +464,7 @@ class CudaEngine:
         s, st = self.spec, self.stream
         p = f"blk.{il}."
         T = b.T
-        q_dim = s.n_head * s.head_dim
-        qk.quantize_q8_0(b.attn, b.attn_q, b.attn_d, st)
+        q_dim = s.n_head * s.head_dim              # attention_combine left b.attn Q8_0-quantized too
         group_in = q_dim // s.n_group
         name = p + "attn_output_a.weight"
         if T == 1 and self.info(name).ggml_type == GGML_Q8_0:       # decode: the 8 groups in one launch

@@ -1293,13 +1293,15 @@ def rotate_pair(x0, x1, theta, inverse):
 
 @cuda.jit(cache=True)
 def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, pos_buf, head_dim,
-                      n_rot, freqs, n_group, out):
+                      n_rot, freqs, n_group, out, out_q, out_d):
     """Sink attention, second half: merge the splits of each head with its sink logit, which joins
     the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part,
     token) with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the
     RoPE needs no second pass. Empty splits (Σ 0) are skipped. `out` is flat and group-major,
     [n_group, T, heads per group · head_dim], so that each output group's input rows are
-    contiguous for its matmul (with T = 1 it is simply the heads in order)."""
+    contiguous for its matmul (with T = 1 it is simply the heads in order). The output's Q8_0
+    quantization (out_q, out_d: what the output projection reads) is done here too: 16 lanes hold
+    one 32-value block (head_dim % 32 == 0), which saves a launch on the critical path."""
     head = cuda.blockIdx.x
     t = cuda.blockIdx.z
     n_tok = cuda.gridDim.z
@@ -1319,25 +1321,42 @@ def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, 
     for s_ in range(n_splits):
         den += weights[s_] * part_den[head, s_]
     d = 2 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
-    if d >= head_dim:
-        return
-    acc0 = float32(0.0)
-    acc1 = float32(0.0)
-    for s_ in range(n_splits):
-        w = weights[s_]
-        if w != 0:
-            acc0 += w * part_acc[head, s_, d]
-            acc1 += w * part_acc[head, s_, d + 1]
-    x0 = acc0 / den
-    x1 = acc1 / den
-    n_nope = head_dim - n_rot
-    if d >= n_nope:
-        x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
-    heads_per_group = part_max_all.shape[1] // n_group
-    g = head // heads_per_group
-    at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
-    out[at] = x0
-    out[at + 1] = x1
+    inside = d < head_dim              # whole 16-lane groups: head_dim % 32 == 0
+    x0 = float32(0.0)
+    x1 = float32(0.0)
+    at = 0
+    if inside:
+        acc0 = float32(0.0)
+        acc1 = float32(0.0)
+        for s_ in range(n_splits):
+            w = weights[s_]
+            if w != 0:
+                acc0 += w * part_acc[head, s_, d]
+                acc1 += w * part_acc[head, s_, d + 1]
+        x0 = acc0 / den
+        x1 = acc1 / den
+        n_nope = head_dim - n_rot
+        if d >= n_nope:
+            x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
+        heads_per_group = part_max_all.shape[1] // n_group
+        g = head // heads_per_group
+        at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
+        out[at] = x0
+        out[at + 1] = x1
+    if USE_SHUFFLES:
+        amax = max(abs(x0), abs(x1))
+        for offset in (8, 4, 2, 1):          # within each half warp: one Q8_0 block
+            amax = max(amax, cuda.shfl_xor_sync(0xFFFFFFFF, amax, offset))
+        scale, inv = q8_0_scale(amax)
+        if inside:
+            out_q[at] = q8_0_value(x0, inv)
+            out_q[at + 1] = q8_0_value(x1, inv)
+            if cuda.threadIdx.x % 16 == 0:
+                out_d[at // 32] = scale
+    else:
+        cuda.syncthreads()
+        if inside and d % 32 == 0:
+            quantize_q8_0_serial(out, at // 32, out_q, out_d)
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

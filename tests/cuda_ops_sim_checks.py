@@ -151,6 +151,8 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
     sinks = rng.normal(0, 0.5, n_head).astype(np.float32)
     freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
     out = cuda.device_array(n_tok * n_head * head_dim, np.float32)
+    out_q = cuda.device_array(n_tok * n_head * head_dim, np.int8)
+    out_d = cuda.device_array(n_tok * n_head * head_dim // 32, np.float32)
     use_selected = selected is not None
     sels = [np.asarray(sl, np.int32) for sl in selected] if use_selected else [np.zeros(1, np.int32)] * n_tok
     width = max(len(sl) for sl in sels)
@@ -168,8 +170,11 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
         part_max, part_den, part_acc)
     ops.attention_combine[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1, n_tok), ops.COMBINE_THREADS](
         part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs),
-        n_group, out)
-    got = out.copy_to_host().reshape(n_group, n_tok, -1).transpose(1, 0, 2).reshape(n_tok, -1)
+        n_group, out, out_q, out_d)
+    flat = out.copy_to_host()
+    close(f"q8_0 of the attention output, {name}", (out_q.copy_to_host().reshape(-1, 32) *
+          out_d.copy_to_host()[:, None]).reshape(-1), ref.q8_0_activation(flat), 1e-6)
+    got = flat.reshape(n_group, n_tok, -1).transpose(1, 0, 2).reshape(n_tok, -1)
     rope = ref.Rope(n_rot, 10000.0, False)
     for t, pos in enumerate(positions):
         n_raw = min(pos + 1, n_swa)
