@@ -182,6 +182,8 @@ class CudaEngine:
         if most_rows > ops.ATTN_MAX_ROWS:
             raise Ds4Error(f"--ctx {n_ctx} gives up to {most_rows} attention rows per head; the GPU attention "
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
+        if s.n_hc > ops.HC_MAX:
+            raise Ds4Error(f"n_hc {s.n_hc}: the GPU HC kernels keep at most {ops.HC_MAX} streams in registers")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
                            f"{ops.ATTN_MAX_DIM}")

@@ -1327,6 +1327,27 @@ def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp
 _T_MOE_PREFILL = 4
 
 
+_PREFILL_SCRATCH = {}
+
+
+def _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff):
+    """moe_prefill's device scratch for n_tok tokens, kept between calls and grown when a call
+    needs more (one engine prefill calls it per layer and chunk; ~90 MB for 512 tokens). Calls on
+    one stream run in order, so reusing the buffers is safe there."""
+    key = (n_used, n_embd, n_ff)
+    held = _PREFILL_SCRATCH.get(key)
+    if held is None or held[0] < n_tok:
+        sizes = dict(xq=(n_embd, np.int8), xd=(n_embd // 256, np.float32), xbs=(n_embd // 16, np.int32),
+                     mid=(n_used * n_ff, np.float32), mq=(n_used * n_ff, np.int8),
+                     md=(n_used * n_ff // 256, np.float32), mbs=(n_used * n_ff // 16, np.int32),
+                     pair_out=(n_used * n_embd, np.float32))
+        held = _PREFILL_SCRATCH[key] = (n_tok, {name: (cuda.device_array(n_tok * per_tok, dt), per_tok)
+                                                for name, (per_tok, dt) in sizes.items()})
+    bufs = held[1]
+    return tuple(bufs[name][0][:n_tok * bufs[name][1]]
+                 for name in ("xq", "xd", "xbs", "mid", "mq", "md", "mbs", "pair_out"))
+
+
 def group_tiles(ids, table, T):
     """The (token, slot) pairs of ids [n_tok, n_used] grouped by expert (stable: token order within
     an expert), each group cut into tiles of at most T pairs. Returns per tile the expert's byte
@@ -1371,14 +1392,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     d_tok = cuda.to_device(tile_tok.reshape(-1), stream=s)
     d_slot = cuda.to_device(tile_slot.reshape(-1), stream=s)
     d_cnt = cuda.to_device(tile_cnt, stream=s)
-    xq = cuda.device_array(n_tok * n_embd, np.int8, stream=s)
-    xd = cuda.device_array(n_tok * n_embd // 256, np.float32, stream=s)
-    xbs = cuda.device_array(n_tok * n_embd // 16, np.int32, stream=s)
-    mid = cuda.device_array(n_tok * n_used * n_ff, np.float32, stream=s)
-    mq = cuda.device_array(n_tok * n_used * n_ff, np.int8, stream=s)
-    md = cuda.device_array(n_tok * n_used * n_ff // 256, np.float32, stream=s)
-    mbs = cuda.device_array(n_tok * n_used * n_ff // 16, np.int32, stream=s)
-    pair_out = cuda.device_array(n_tok * n_used * n_embd, np.float32, stream=s)
+    xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)

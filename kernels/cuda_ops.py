@@ -36,6 +36,8 @@ BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
 WIDE = 1024              # threads of the single-block vector kernels on the GPU (4 values each at
                          # n_embd 4096: their time is a chain of load latencies, so more threads)
 MAX_SCORE_ROWS = 16384   # indexer rows the top-k selection handles in one block
+HC_MAX = 4               # most HC streams hc_pre keeps in registers (DeepSeek-V4: 4)
+HC_GRAM = HC_MAX * HC_MAX
 NEG_INF = -1e30
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -531,28 +533,34 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
         return
     i = cuda.blockIdx.x * cuda.blockDim.x + tid
     inside = i < n_embd                                # warp-uniform: n_embd % 32 == 0
-    values = cuda.local.array(16, float32)
+    # loops over the constant HC_MAX (guarded by n_hc) unroll, so these stay in registers
+    values = cuda.local.array(HC_MAX, float32)
     norm_w = float32(0.0)
     if inside:
-        for h in range(n_hc):
-            values[h] = state[t, h, i]
+        for h in range(HC_MAX):
+            if h < n_hc:
+                values[h] = state[t, h, i]
         norm_w = w32[norm_off + i]
-    gram = cuda.shared.array(16, float64)
+    gram = cuda.shared.array(HC_GRAM, float64)
     hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
     gram_values(part_gram[t], gram)
-    gates = cuda.local.array(16, float32)
-    for h in range(n_hc):
-        gates[h] = sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(hc_eps)
+    gates = cuda.local.array(HC_MAX, float32)
+    for h in range(HC_MAX):
+        gates[h] = sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(hc_eps) if h < n_hc \
+            else float32(0.0)
     sumsq = float64(0.0)
-    for h in range(n_hc):
-        row = float64(0.0)
-        for h2 in range(n_hc):
-            row += float64(gates[h2]) * gram[h * n_hc + h2]
-        sumsq += float64(gates[h]) * row
+    for h in range(HC_MAX):
+        if h < n_hc:
+            row = float64(0.0)
+            for h2 in range(HC_MAX):
+                if h2 < n_hc:
+                    row += float64(gates[h2]) * gram[h * n_hc + h2]
+            sumsq += float64(gates[h]) * row
     scale = rms_scale(sumsq, n_embd, rms_eps)
     y = float32(0.0)
-    for h in range(n_hc):
-        y += gates[h] * values[h]
+    for h in range(HC_MAX):
+        if h < n_hc:
+            y += gates[h] * values[h]
     x = y * scale * norm_w
     if inside:
         x_out[t, i] = x
