@@ -170,7 +170,7 @@ class CudaEngine:
     through the model layer by layer, the projections as matmuls, the per-token kernels with one
     block row per token, the routed experts through moe_prefill (one host sync per layer for the
     expert ids), and the output head on the last prompt token only. Sources that page experts
-    through a VRAM expert cache (`experts_resident` False) still prefill token by token."""
+    through a VRAM expert cache (`experts_resident` False) fetch each layer's chunk experts first."""
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
 
@@ -547,11 +547,30 @@ class CudaEngine:
                 qk.moe_decode_experts(arena, b.slot_offsets[0], gate_type, down_type, b.route_w[0], clamp,
                                       b.moe_out[0], b.moe_work, st)
             else:
-                qk.moe_prefill(arena, self.expert_table(il), gate_type, down_type, s.n_embd, s.n_ff, b.x,
-                               expert_ids_host, b.route_w, clamp, b.moe_out, st)
+                qk.moe_prefill(arena, self._prefill_expert_table(il, expert_ids_host), gate_type, down_type,
+                               s.n_embd, s.n_ff, b.x, expert_ids_host, b.route_w, clamp, b.moe_out, st)
         self._join()
         if self._on("hc"):
             self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
+
+    def _prefill_expert_table(self, il: int, expert_ids) -> np.ndarray:
+        """Byte offsets (gate, up, down) per expert for moe_prefill: the arena's table with resident
+        experts; with an expert cache, the chunk's experts are made resident first (the rows of
+        the others stay 0 and are never read)."""
+        if self.experts_resident:
+            return self.expert_table(il)
+        used = np.unique(np.asarray(expert_ids))
+        table = np.zeros((self.spec.n_exp, 3), np.int64)
+        table[used] = self.source.fetch_experts(il, used, stream=self.stream)
+        return table
+
+    def _prefill_chunk_limit(self) -> int:
+        """Most tokens per prefill chunk: with an expert cache smaller than a layer's experts, few
+        enough that a chunk's experts (n_used per token at most) fit in the cache together."""
+        held = self.source.experts_at_once()
+        if held is None or held >= self.spec.n_exp:
+            return self.prefill_chunk
+        return max(1, min(self.prefill_chunk, held // self.spec.n_used))
 
     def _shared_expert(self, b, il: int):
         s, st = self.spec, self.stream
@@ -683,11 +702,11 @@ class CudaEngine:
     def prefill(self, tokens) -> np.ndarray:
         """Evaluate a prompt at positions n_past.. and return the logits of its last token.
 
-        Resident experts: batched, in chunks of up to prefill_chunk tokens (prefill_batched). The
-        expert-cache sources (page-cache / stream) keep the token-by-token decode path for now: a
-        chunk would need the union of its tokens' experts resident at once."""
+        Batched, in chunks of up to prefill_chunk tokens (prefill_batched); with an expert cache
+        each layer first makes the chunk's experts resident (fewer tokens per chunk when the cache
+        cannot hold a whole layer)."""
         tokens = [int(t) for t in tokens]
-        if self.experts_resident and len(tokens) > 1:
+        if len(tokens) > 1:
             return self.prefill_batched(tokens)
         return self.prefill_by_token(tokens)
 
@@ -702,10 +721,9 @@ class CudaEngine:
         """Chunks of up to `chunk` (<= prefill_chunk) tokens, each through the model layer by layer
         with the same kernels as decode (T tokens per launch); the output head runs for the last
         prompt token only. Launched eagerly (few launches per chunk); one host sync per layer reads
-        the chunk's expert ids for moe_prefill. Resident experts only."""
-        if not self.experts_resident:
-            raise RuntimeError("prefill_batched needs the experts resident in the arena")
-        P = min(chunk or self.prefill_chunk, self.prefill_chunk)
+        the chunk's expert ids for moe_prefill (and for the expert cache's fetch)."""
+        limit = self._prefill_chunk_limit()
+        P = min(chunk or limit, limit)
         if self._prefill_scratch is None:
             self._prefill_scratch = Scratch(self.spec, self.max_rows, self.prefill_chunk, self.PREFILL_SPLITS)
         s, st = self.spec, self.stream

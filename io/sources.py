@@ -226,6 +226,11 @@ class GpuSource:
     def fetch_experts(self, layer: int, expert_ids, stream=None) -> np.ndarray:
         raise NotImplementedError
 
+    def experts_at_once(self) -> int | None:
+        """How many distinct experts of one layer fetch_experts can hold resident at once (None:
+        all of them, the experts live in the arena)."""
+        return None
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
@@ -525,6 +530,9 @@ class _ExpertCachingSource(GpuSource):
                                 f"lower --ssd-streaming-cache-experts or --ctx") from None
         self.expert_arena = self.arena
         self._expert_ptr = self.gpu.device_ptr(self.arena) + self.slot_base
+
+    def experts_at_once(self) -> int:
+        return self.policy.n_slots
 
     def expert_slot_offsets(self, slots) -> np.ndarray:
         """Arena byte offsets (gate, up, down) of the given slots."""

@@ -145,6 +145,31 @@ def test_batched_prefill_in_chunks_equals_token_by_token(model):
     source.close()
 
 
+def test_expert_cache_prefill_is_batched_and_equals_device(model):
+    """page-cache / stream prefill in chunks with each layer's experts fetched into the cache: the
+    same launches as the device regime with the same chunking, so the logits are bit-identical.
+    A cache that holds every expert of a layer takes whole chunks; 12 slots take 12 // n_used."""
+    from ds4py.forward_cuda import CudaEngine
+    from ds4py.io import sources
+    tokens = _tokens(40, seed=11)
+    n_exp, n_used = model.spec.n_exp, model.spec.n_used
+    for regime, slots in (("page-cache", n_exp), ("stream", 12)):
+        cls = sources.PageCacheSource if regime == "page-cache" else sources.StreamSource
+        cached_src = cls(model, expert_slots=slots, progress=False)
+        cached = CudaEngine(model, cached_src, 256, prefill_chunk=32)
+        chunk = cached._prefill_chunk_limit()
+        assert chunk == (32 if slots >= n_exp else 12 // n_used)
+        got = np.array(cached.prefill(tokens), np.float64)
+        misses = cached_src.counters.expert_misses
+        cached_src.close()
+        device_src = sources.DeviceSource(model, progress=False)
+        want = np.array(CudaEngine(model, device_src, 256, prefill_chunk=chunk).prefill(tokens), np.float64)
+        device_src.close()
+        print(f"{regime} ({slots} slots, chunks of {chunk}): expert misses {misses}")
+        assert misses > 0
+        assert np.array_equal(got, want), f"{regime}: max |Δ| {np.max(np.abs(got - want)):.3g}"
+
+
 def test_three_regimes_same_greedy_tokens(model):
     prompt = _tokens(40, seed=5)
     outputs, counters = {}, {}
