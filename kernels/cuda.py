@@ -29,7 +29,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, negate_bytes
+from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -383,6 +383,101 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     return q8_0_rows
 
 
+# ---- Q8_0 matmul on the int8 tensor cores (prefill) --------------------------------------------
+#
+# K = 32 is one Q8_0 block, so one mma.m16n8k32 gives the exact integer block dots of 16 rows x 8
+# tokens. The f32 side then replays the dp4a kernel's order for every (row, token): in warp w of
+# the S warps of a row (split-K), lane group g of 8 adds (d_w·d_x)·isum of blocks b = g (mod 8) in
+# increasing order (chunks of U steps of 8 blocks, round-robin over the S warps); the 8 group sums
+# meet in the butterfly ((g0 + g4) + (g2 + g6)) + ((g1 + g5) + (g3 + g7)); the S warp sums are added
+# in warp order. Here a warp takes 16 rows x 32 tokens (4 MMAs per block share the A fragment) and
+# walks the blocks group by group, g in the butterfly's order, so that only a few partial sums are
+# live: every output equals the dp4a matmul and matvec bit for bit.
+
+_MMA_WARPS = 4       # warps per block, 16 rows each
+_MMA_NT = 4          # MMAs of 8 tokens per warp tile (32 tokens)
+_MMA_MIN_TOKENS = 16  # fewer tokens: the dp4a kernel (the MMA tile would be mostly padding)
+_USE_MMA = False      # the engine's matmuls: off until the tensor-core kernel has passed its GPU
+                      # test (test_q8_0_mma_matches_matvec) and been timed
+
+
+def _q8_0_mma_kernel(S, U):
+    NE = 4 * _MMA_NT       # f32 results per thread: 2 rows x 2 tokens per MMA
+
+    @cuda.jit
+    def q8_0_rows_mma(a16, row_h0, row_h, rows, nb, xq32, xd, n_tok, out, out_ld, row_h0_b, rows_a):
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        gid = lane >> 2
+        tig = lane & 3
+        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
+        if row0 >= rows:                              # warp-uniform; no block barrier follows
+            return
+        tok0 = cuda.blockIdx.y * (8 * _MMA_NT)
+        r_lo = min(row0 + gid, rows - 1)              # a short last tile repeats a row
+        r_hi = min(row0 + gid + 8, rows - 1)
+        h_lo = row_h0 + r_lo * row_h if r_lo < rows_a else row_h0_b + (r_lo - rows_a) * row_h
+        h_hi = row_h0 + r_hi * row_h if r_hi < rows_a else row_h0_b + (r_hi - rows_a) * row_h
+        words = 8 * nb                                # int32 words per token of xq
+        nchunks = ((nb + 7) // 8 + U - 1) // U
+        total = cuda.local.array(NE, float32)         # Σ over the S warps, in warp order
+        left = cuda.local.array(NE, float32)          # (g0 + g4) + (g2 + g6)
+        first = cuda.local.array(NE, float32)         # g0 + g4, then g1 + g5
+        pair = cuda.local.array(NE, float32)          # the group pair being summed
+        acc = cuda.local.array(NE, float32)           # one lane group's blocks
+        for w in range(S):
+            for gi in range(8):                       # g = 0, 4, 2, 6, 1, 5, 3, 7
+                g = (gi & 1) * 4 + ((gi >> 1) & 1) * 2 + (gi >> 2)
+                for e in range(NE):
+                    acc[e] = float32(0.0)
+                for c in range(w, nchunks, S):
+                    for u in range(U):
+                        b = (c * U + u) * 8 + g
+                        if b < nb:                    # warp-uniform
+                            hb_lo = h_lo + 17 * b
+                            hb_hi = h_hi + 17 * b
+                            a0 = _u16pair(a16, hb_lo + 1 + 2 * tig)
+                            a1 = _u16pair(a16, hb_hi + 1 + 2 * tig)
+                            a2 = _u16pair(a16, hb_lo + 9 + 2 * tig)
+                            a3 = _u16pair(a16, hb_hi + 9 + 2 * tig)
+                            wd_lo = f16_bits_to_f32(a16[_ix(hb_lo)])
+                            wd_hi = f16_bits_to_f32(a16[_ix(hb_hi)])
+                            for nt in range(_MMA_NT):
+                                tb = min(tok0 + 8 * nt + gid, n_tok - 1)
+                                b0 = xq32[_ix(tb * words + 8 * b + tig)]
+                                b1 = xq32[_ix(tb * words + 8 * b + 4 + tig)]
+                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, b0, b1)
+                                t0 = min(tok0 + 8 * nt + 2 * tig, n_tok - 1)
+                                t1 = min(tok0 + 8 * nt + 2 * tig + 1, n_tok - 1)
+                                xs0 = xd[_ix(t0 * nb + b)]
+                                xs1 = xd[_ix(t1 * nb + b)]
+                                e = 4 * nt
+                                acc[e] = cuda.fma(wd_lo * xs0, float32(c0), acc[e])
+                                acc[e + 1] = cuda.fma(wd_lo * xs1, float32(c1), acc[e + 1])
+                                acc[e + 2] = cuda.fma(wd_hi * xs0, float32(c2), acc[e + 2])
+                                acc[e + 3] = cuda.fma(wd_hi * xs1, float32(c3), acc[e + 3])
+                for e in range(NE):                   # the butterfly, as the groups arrive
+                    if gi % 2 == 0:
+                        pair[e] = acc[e]
+                    else:
+                        pair[e] = pair[e] + acc[e]
+                        if gi == 1 or gi == 5:
+                            first[e] = pair[e]
+                        elif gi == 3:
+                            left[e] = first[e] + pair[e]
+                        else:
+                            value = left[e] + (first[e] + pair[e])
+                            total[e] = value if w == 0 else total[e] + value
+        for nt in range(_MMA_NT):
+            for k in range(4):
+                row = row0 + gid + 8 * (k >> 1)
+                tok = tok0 + 8 * nt + 2 * tig + (k & 1)
+                if row < rows and tok < n_tok:
+                    out[_ix(tok * out_ld + row)] = total[4 * nt + k]
+
+    return q8_0_rows_mma
+
+
 def _make_f16_step(T):
     @cuda.jit(device=True, forceinline=True)
     def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc):
@@ -442,7 +537,7 @@ def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
 
-def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1):
+def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None):
     """Q8_0 rows of one or two matrices `parts` = [(byte offset, rows), ...] in one launch:
     out[t] = concat(W_a · X[t], W_b · X[t]). With x_groups > 1 (one token), the rows split into
     x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection)."""
@@ -459,20 +554,35 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1):
         if off + r * 34 * nb > 2 * a16.size:
             raise ValueError("Q8_0: tensor runs past the end of the arena")
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
+    rows_a = rows_a if len(parts) > 1 else rows
     U = _Q8_0_U
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
+    if mma is None:
+        mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
+    if mma:
+        kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
+        grid = ((rows + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
+        kernel[grid, _MMA_WARPS * WARP, _stream(stream)](
+            a16, off_a // 2, 17 * nb, rows, nb, _as_i32(xq), _flat(xd), n_tok, _flat(out), rows,
+            off_b // 2, rows_a)
+        return
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
-        off_b // 2, rows_a if len(parts) > 1 else rows, rows // x_groups)
+        off_b // 2, rows_a, rows // x_groups)
 
 
 def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
     """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
     (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous)."""
     _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream)
+
+
+def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+    """matmul_q8_0 on the int8 tensor cores (the same numbers bit for bit; any n_tok)."""
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, mma=True)
 
 
 def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):

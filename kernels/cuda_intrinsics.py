@@ -7,6 +7,10 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``f16_bits_to_f32(bits)``: the IEEE half in the low 16 bits of an int, as f32 (exact).
 * ``bfe(x, pos, n)``: bits pos..pos+n-1 of a 32-bit word (PTX bfe.u32), as int32.
 * ``imad(a, b, c)``: a*b + c in 32-bit (numba would widen a 32x32 product to 64 bits).
+* ``mma_s8(a0, a1, a2, a3, b0, b1)``: one warp-wide int8 tensor-core product (PTX
+  mma.sync.m16n8k32.row.col.s32.s8.s8.s32, C = 0): A 16 x 32 (row-major), B 32 x 8 (one column per
+  token), the thread's four int32 results (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1).
+  Exact integer dots, so a kernel that scales them per Q8_0 block gets the dp4a kernels' numbers.
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -40,6 +44,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def imad(a, b, c):
         return np.int32(((int(a) * int(b) + int(c)) + 2**31) % 2**32 - 2**31)
+
+    def mma_s8(a0, a1, a2, a3, b0, b1):
+        raise NotImplementedError("mma_s8 is a warp-wide tensor-core instruction: no simulator version")
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -112,6 +119,28 @@ else:
             vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
             fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
             return builder.call(ir.InlineAsm(fnty, "mad.lo.s32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_s8(typingctx, a0, a1, a2, a3, b0, b1):
+        args = (a0, a1, a2, a3, b0, b1)
+        if not all(isinstance(t, types.Integer) for t in args):
+            return None
+        ret = types.UniTuple(types.int32, 4)
+        sig = ret(*args)
+
+        def codegen(context, builder, signature, llargs):
+            vals = [_i32(context, builder, v, t) for v, t in zip(llargs, signature.args)]
+            zero = ir.Constant(ir.IntType(32), 0)
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
+            asm = ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,=r,=r," + ",".join(["r"] * 10)),
+                               vals + [zero] * 4)
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, parts)
 
         return sig, codegen
 

@@ -170,6 +170,32 @@ def test_matmul_rows_equal_matvec(t, rows):
         assert np.array_equal(Y[i], y1), f"token {i}"
 
 
+# (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
+# tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset
+MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200, 256, 33, 0),
+             (64, 96, 17, 0), (1024, 4096, 64, 0)]
+
+
+@pytest.mark.parametrize("rows,Kd,n_tok,extra", MMA_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in MMA_CASES])
+def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra):
+    """The tensor-core Q8_0 matmul equals the dp4a matmul and the matvec bit for bit."""
+    rng = _rng(60 + rows + n_tok)
+    w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+    arena, (off,) = _arena([(w, extra)])
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    X[n_tok // 2] *= 40
+    xq, xd, _, _ = _prepare(F.Q8_0, X)
+    out = cuda.device_array((n_tok, rows), np.float32)
+    K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, out)
+    got = out.copy_to_host()
+    want = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, X)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+        f"max |Δ| {np.max(np.abs(got - want)):.3g} at {np.unravel_index(np.argmax(np.abs(got - want)), got.shape)}"
+    for i in (0, n_tok // 2, n_tok - 1):
+        y1 = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, X[i:i + 1], single=True)[0]
+        assert np.array_equal(got[i], y1), f"token {i}"
+
+
 # ---------------------------------------------------------------------------------------- MoE
 
 N_EMBD, N_FF, N_EXP, N_USED = 4096, 2048, 16, 6
