@@ -1437,6 +1437,30 @@ def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp
 _T_MOE_PREFILL = 4
 
 
+def group_tiles(ids, table, T):
+    """The (token, slot) pairs of ids [n_tok, n_used] grouped by expert (stable: token order within
+    an expert), each group cut into tiles of at most T pairs. Returns per tile the expert's byte
+    offsets table[e] (int64[n_tiles, 3]), its tokens and slots (int32[n_tiles, T], 0 past the
+    count) and its pair count (int32[n_tiles]). Vectorised: a 512-token chunk has ~800 tiles."""
+    n_tok, n_used = ids.shape
+    pairs_exp = ids.reshape(-1)
+    order = np.argsort(pairs_exp, kind="stable")          # pair p = token p // n_used, slot p % n_used
+    exps, starts, counts = np.unique(pairs_exp[order], return_index=True, return_counts=True)
+    tiles_per = (counts + T - 1) // T
+    owner = np.repeat(np.arange(len(exps)), tiles_per)    # tile -> index into exps
+    first = np.cumsum(tiles_per) - tiles_per
+    within = np.arange(len(owner)) - first[owner]          # tile's rank inside its expert's group
+    tile_cnt = np.minimum(T, counts[owner] - within * T).astype(np.int32)
+    member = np.arange(T)
+    valid = member[None, :] < tile_cnt[:, None]
+    pos = np.where(valid, starts[owner][:, None] + within[:, None] * T + member[None, :], 0)
+    pair = order[pos]
+    tile_tok = np.where(valid, pair // n_used, 0).astype(np.int32)
+    tile_slot = np.where(valid, pair % n_used, 0).astype(np.int32)
+    tile_off = np.ascontiguousarray(table[exps[owner]], dtype=np.int64)
+    return tile_off, tile_tok, tile_slot, tile_cnt
+
+
 def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
                 clamp, out, stream=0):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
@@ -1450,27 +1474,8 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     n_tok, n_used = ids.shape
     table = np.asarray(expert_table, dtype=np.int64)
     T = _T_MOE_PREFILL
-    # group the (token, slot) pairs by expert, then cut each group into tiles of <= T pairs
-    pairs_tok = np.repeat(np.arange(n_tok, dtype=np.int32), n_used)
-    pairs_slot = np.tile(np.arange(n_used, dtype=np.int32), n_tok)
-    pairs_exp = ids.reshape(-1)
-    order = np.argsort(pairs_exp, kind="stable")
-    exps, starts, counts = np.unique(pairs_exp[order], return_index=True, return_counts=True)
-    n_tiles = int(np.sum((counts + T - 1) // T))
-    tile_off = np.zeros((n_tiles, 3), np.int64)
-    tile_tok = np.zeros((n_tiles, T), np.int32)
-    tile_slot = np.zeros((n_tiles, T), np.int32)
-    tile_cnt = np.zeros(n_tiles, np.int32)
-    ti = 0
-    for e, s0, c in zip(exps, starts, counts):
-        for a in range(0, c, T):
-            n = min(T, c - a)
-            sel = order[s0 + a: s0 + a + n]
-            tile_off[ti] = table[e]
-            tile_tok[ti, :n] = pairs_tok[sel]
-            tile_slot[ti, :n] = pairs_slot[sel]
-            tile_cnt[ti] = n
-            ti += 1
+    tile_off, tile_tok, tile_slot, tile_cnt = group_tiles(ids, table, T)
+    n_tiles = len(tile_cnt)
     s = _stream(stream)
     d_off = cuda.to_device(tile_off.reshape(-1), stream=s)
     d_tok = cuda.to_device(tile_tok.reshape(-1), stream=s)

@@ -273,3 +273,33 @@ def test_moe_batch_rows_equal_moe():
     Y = cpu.moe_batch(gate, up, down, F.IQ2_XXS, F.Q2_K, X, ids, rw, 10.0)
     for t in range(4):
         assert np.array_equal(Y[t], cpu.moe(gate, up, down, F.IQ2_XXS, F.Q2_K, X[t], ids[t], rw[t], 10.0))
+
+
+def _group_tiles_by_loops(ids, table, T):
+    """The MoE prefill grouping written plainly: pairs (token, slot) in token order, per expert in
+    increasing id, cut into tiles of at most T."""
+    tiles = []
+    for e in sorted(set(ids.reshape(-1).tolist())):
+        pairs = [(t, k) for t in range(ids.shape[0]) for k in range(ids.shape[1]) if ids[t, k] == e]
+        for a in range(0, len(pairs), T):
+            tiles.append((e, pairs[a:a + T]))
+    off = np.array([table[e] for e, _ in tiles], np.int64)
+    tok = np.zeros((len(tiles), T), np.int32)
+    slot = np.zeros((len(tiles), T), np.int32)
+    for i, (_, members) in enumerate(tiles):
+        for j, (t, k) in enumerate(members):
+            tok[i, j], slot[i, j] = t, k
+    cnt = np.array([len(m) for _, m in tiles], np.int32)
+    return off, tok, slot, cnt
+
+
+@pytest.mark.parametrize("n_tok,n_exp,T", [(37, 16, 4), (5, 256, 4), (64, 3, 3), (1, 8, 4)])
+def test_moe_prefill_tiles_match_plain_grouping(n_tok, n_exp, T):
+    from ds4py.kernels.cuda import group_tiles
+    rng = np.random.default_rng(n_tok + n_exp)
+    ids = np.stack([rng.choice(n_exp, min(6, n_exp), replace=False) for _ in range(n_tok)]).astype(np.int32)
+    table = rng.integers(0, 1 << 40, (n_exp, 3)).astype(np.int64)
+    got = group_tiles(ids, table, T)
+    want = _group_tiles_by_loops(ids, table, T)
+    for name, g, w in zip(("offsets", "tokens", "slots", "counts"), got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), name
