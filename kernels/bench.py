@@ -441,19 +441,20 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
     args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
             X, ids, rw, 10.0, out)
-    CK.moe_prefill(*args)
-    cuda.synchronize()
-    walls = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        CK.moe_prefill(*args)
+    for mma, label in ((False, ""), (True, ", gate/up on tensor cores")):
+        CK.moe_prefill(*args, mma=mma)
         cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
-    wall = float(np.median(walls))
-    r = dict(name="MoE prefill (6 of 256 experts, grouped)", n_tok=n_tok, ms=wall * 1e3,
-             tok_per_s=n_tok / wall)
-    res.append(r)
-    log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            CK.moe_prefill(*args, mma=mma)
+            cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        wall = float(np.median(walls))
+        r = dict(name=f"MoE prefill (6 of 256 experts, grouped{label})", n_tok=n_tok, ms=wall * 1e3,
+                 tok_per_s=n_tok / wall)
+        res.append(r)
+        log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
     return res
 
 

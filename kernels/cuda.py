@@ -1255,6 +1255,109 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     return moe_gate_up_tiles
 
 
+_MMA_TILE = 8        # (token, slot) pairs per tile in the tensor-core gate/up kernel (the MMA's N)
+
+
+def _moe_gate_up_tiles_mma_kernel():
+    """Prefill gate/up for IQ2_XXS experts on the int8 tensor cores: a warp takes 16 rows x one
+    tile of <= 8 pairs. Per super-block, 8 MMAs (one per 32-weight sub-block; the thread decodes
+    its A bytes from the grid and sign tables) give the exact integer sub-block dots; weighted by
+    the sub-block scales they make the super-block's integer sum, which meets the f32 side in the
+    decode kernel's order: lane group q = sb % 4 accumulates fma(d_w·d_x, sum) over its super-blocks,
+    then (q0 + q2) + (q1 + q3), times 1/8. So mid equals moe_decode's bit for bit."""
+    scale = float32(_FINAL_SCALE[F.IQ2_XXS])
+
+    @cuda.jit
+    def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, nsb,
+                              route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:                                   # block-uniform
+            return
+        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+        cuda.syncthreads()
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        gid = lane >> 2
+        tig = lane & 3
+        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
+        if row0 >= n_ff:                               # warp-uniform, after the only barrier
+            return
+        r_lo = min(row0 + gid, n_ff - 1)
+        r_hi = min(row0 + gid + 8, n_ff - 1)
+        base = tile * _MMA_TILE
+        tok_b = tile_tok[base + min(gid, cnt - 1)]             # B column: pair gid of the tile
+        tok_c0 = tile_tok[base + min(2 * tig, cnt - 1)]        # C columns: pairs 2 tig, 2 tig + 1
+        tok_c1 = tile_tok[base + min(2 * tig + 1, cnt - 1)]
+        words = 64 * nsb                                       # int32 words per token of xq
+        half = tig & 1
+        acc = cuda.local.array(32, float32)                    # [gate/up][q][lo c0, lo c1, hi c0, hi c1]
+        for e in range(32):
+            acc[e] = float32(0.0)
+        bsum = cuda.local.array(4, int32)
+        for sb0 in range(0, nsb, 4):
+            for q in range(4):                     # q = sb % 4: constant accumulator indices
+                sb = sb0 + q
+                if sb >= nsb:
+                    continue
+                for m in range(2):                 # gate, up
+                    h_lo = (tile_off[tile * 3 + m] + r_lo * rb) // 2 + 33 * sb
+                    h_hi = (tile_off[tile * 3 + m] + r_hi * rb) // 2 + 33 * sb
+                    for e in range(4):
+                        bsum[e] = int32(0)
+                    for j in range(8):
+                        aux0_lo = _u16pair(a16, h_lo + 1 + 4 * j)
+                        aux1_lo = _u16pair(a16, h_lo + 3 + 4 * j)
+                        aux0_hi = _u16pair(a16, h_hi + 1 + 4 * j)
+                        aux1_hi = _u16pair(a16, h_hi + 3 + 4 * j)
+                        # bytes 4 tig.. of the sub-block are half `half` of grid entry tig >> 1, bytes
+                        # 16 + 4 tig.. of entry 2 + (tig >> 1)
+                        a0 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, tig >> 1, half)
+                        a1 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, tig >> 1, half)
+                        a2 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, 2 + (tig >> 1), half)
+                        a3 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, 2 + (tig >> 1), half)
+                        xw = tok_b * words + 64 * sb + 8 * j + tig
+                        c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, xq32[_ix(xw)], xq32[_ix(xw + 4)])
+                        ls_lo = imad(bfe(aux1_lo, 28, 4), 2, 1)
+                        ls_hi = imad(bfe(aux1_hi, 28, 4), 2, 1)
+                        bsum[0] = imad(c0, ls_lo, bsum[0])
+                        bsum[1] = imad(c1, ls_lo, bsum[1])
+                        bsum[2] = imad(c2, ls_hi, bsum[2])
+                        bsum[3] = imad(c3, ls_hi, bsum[3])
+                    dw_lo = f16_bits_to_f32(a16[_ix(h_lo)])
+                    dw_hi = f16_bits_to_f32(a16[_ix(h_hi)])
+                    xd0 = xd[_ix(tok_c0 * nsb + sb)]
+                    xd1 = xd[_ix(tok_c1 * nsb + sb)]
+                    e = 16 * m + 4 * q
+                    acc[e] = cuda.fma(dw_lo * xd0, float32(bsum[0]), acc[e])
+                    acc[e + 1] = cuda.fma(dw_lo * xd1, float32(bsum[1]), acc[e + 1])
+                    acc[e + 2] = cuda.fma(dw_hi * xd0, float32(bsum[2]), acc[e + 2])
+                    acc[e + 3] = cuda.fma(dw_hi * xd1, float32(bsum[3]), acc[e + 3])
+        c32 = float32(clamp)
+        for k in range(4):
+            row = row0 + gid + 8 * (k >> 1)
+            col = 2 * tig + (k & 1)
+            if row < n_ff and col < cnt:
+                g = scale * ((acc[k] + acc[8 + k]) + (acc[4 + k] + acc[12 + k]))
+                u = scale * ((acc[16 + k] + acc[24 + k]) + (acc[20 + k] + acc[28 + k]))
+                pair = tile_tok[base + col] * n_used + tile_slot[base + col]
+                mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
+
+    return moe_gate_up_tiles_mma
+
+
+@cuda.jit(device=True, forceinline=True)
+def _iq2_word(grid_s, ks_s, aux0, aux1, l, half):
+    """Signed bytes 4·half.. of the 8 weights of IQ2_XXS group l (grid index byte l of aux0, sign
+    index bits 7l.. of aux1), as one int8x4 word."""
+    gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]
+    word = uint32(gv >> uint64(32)) if half else uint32(gv & uint64(0xFFFFFFFF))
+    s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])
+    return negate_bytes(word, (s8 >> (4 * half)) & 15)
+
+
 def _moe_down_tiles_kernel(wtype, T, NCH):
     """Prefill: each (token, slot) pair's down projection, written to pair_out[pair, n_embd]."""
     rowdots = _rowdots(wtype, T, 1, NCH)
@@ -1483,7 +1586,7 @@ def group_tiles(ids, table, T):
 
 
 def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
-                clamp, out, stream=0):
+                clamp, out, stream=0, mma=None):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
 
     expert_table: host int64[n_exp, 3] byte offsets (gate, up, down) of every expert in arena;
@@ -1506,13 +1609,24 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
-    NCH = _nch(n_embd)
-    gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
-                 lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
-    gu[((n_ff + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
-       _shmem_x(gate_type, T, n_embd)](
-        a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
-        _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
+    if mma is None:
+        mma = _USE_MMA
+    if mma and gate_type == F.IQ2_XXS:
+        g_off, g_tok, g_slot, g_cnt = group_tiles(ids, table, _MMA_TILE)
+        gu = _cached(("moe_gu_tiles_mma",), _moe_gate_up_tiles_mma_kernel)
+        gu[((n_ff + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), len(g_cnt)), _MMA_WARPS * WARP, s](
+            a16, cuda.to_device(g_off.reshape(-1), stream=s), cuda.to_device(g_tok.reshape(-1), stream=s),
+            cuda.to_device(g_slot.reshape(-1), stream=s), cuda.to_device(g_cnt, stream=s), n_used, _as_i32(xq),
+            xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid,
+            grid_g, ks_g)
+    else:
+        NCH = _nch(n_embd)
+        gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
+                     lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
+        gu[((n_ff + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+           _shmem_x(gate_type, T, n_embd)](
+            a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
+            _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
     NCH = _nch(n_ff)
     dn = _cached(("moe_down_tiles", down_type, T, NCH),

@@ -247,16 +247,17 @@ def test_moe_decode_matches_cpu(experts, clamp):
     assert np.array_equal(y, y2)
 
 
-def test_moe_prefill_tokens_equal_decode(experts):
+@pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "tensor-cores"])
+def test_moe_prefill_tokens_equal_decode(experts, mma):
     rng = _rng(7)
-    n_tok = 9
+    n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
     ids = np.stack([rng.choice(N_EXP, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 3                              # one expert shared by every token (> 1 tile)
+    ids[:, 0] = 3                              # one expert shared by every token (> 1 tile of 4 or 8)
     rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
     out = cuda.device_array((n_tok, N_EMBD), np.float32)
     K.moe_prefill(experts["arena"], experts["table"], F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF,
-                  cuda.to_device(X), ids, cuda.to_device(rw), 10.0, out)
+                  cuda.to_device(X), ids, cuda.to_device(rw), 10.0, out, mma=mma)
     Y = out.copy_to_host()
     ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
     for t in range(n_tok):
