@@ -1348,6 +1348,103 @@ def _moe_gate_up_tiles_mma_kernel():
     return moe_gate_up_tiles_mma
 
 
+def _moe_down_tiles_mma_kernel():
+    """Prefill down projection for Q2_K experts on the int8 tensor cores: a warp takes 16 output
+    rows x one tile of <= 8 pairs. The A bytes are the 2-bit weights times their 4-bit sub-block
+    scale (<= 45, an exact int8), so each of a super-block's 8 MMAs gives Σ scale·q·x of its 32
+    weights; the mins term Σ min·bsum is integer too. The f32 side is the decode kernel's:
+    term = fma(d_x·d, isum, -(d_x·dmin)·summs) added per lane group q = sb % 4, then
+    (q0 + q2) + (q1 + q3): pair_out equals moe_decode's per-slot result bit for bit."""
+
+    @cuda.jit
+    def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
+                           n_embd, pair_out):
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:                                   # block-uniform
+            return
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        gid = lane >> 2
+        tig = lane & 3
+        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
+        if row0 >= n_embd:                             # warp-uniform; no barrier in this kernel
+            return
+        r_lo = min(row0 + gid, n_embd - 1)
+        r_hi = min(row0 + gid + 8, n_embd - 1)
+        base = tile * _MMA_TILE
+        col_b = base + min(gid, cnt - 1)
+        col0 = base + min(2 * tig, cnt - 1)
+        col1 = base + min(2 * tig + 1, cnt - 1)
+        pair_b = tile_tok[col_b] * n_used + tile_slot[col_b]    # rows of the quantized mid
+        pair0 = tile_tok[col0] * n_used + tile_slot[col0]
+        pair1 = tile_tok[col1] * n_used + tile_slot[col1]
+        words = 64 * nsb
+        acc = cuda.local.array(16, float32)            # [q][lo c0, lo c1, hi c0, hi c1]
+        for e in range(16):
+            acc[e] = float32(0.0)
+        isum = cuda.local.array(4, int32)
+        summs = cuda.local.array(4, int32)
+        for sb0 in range(0, nsb, 4):
+            for q in range(4):                         # q = sb % 4: constant accumulator indices
+                sb = sb0 + q
+                if sb >= nsb:
+                    continue
+                w_lo = (tile_off[tile * 3 + 2] + r_lo * rb) // 4 + 21 * sb
+                w_hi = (tile_off[tile * 3 + 2] + r_hi * rb) // 4 + 21 * sb
+                for e in range(4):
+                    isum[e] = int32(0)
+                    summs[e] = int32(0)
+                for kk in range(8):                    # weights 32 kk.. : chunk h, shift s
+                    h = kk >> 2
+                    sh = 2 * (kk & 3)
+                    a0 = _q2_scaled(a32, w_lo, 4 + 8 * h + tig, sh, 2 * kk)
+                    a1 = _q2_scaled(a32, w_hi, 4 + 8 * h + tig, sh, 2 * kk)
+                    a2 = _q2_scaled(a32, w_lo, 8 + 8 * h + tig, sh, 2 * kk + 1)
+                    a3 = _q2_scaled(a32, w_hi, 8 + 8 * h + tig, sh, 2 * kk + 1)
+                    xw = pair_b * words + 64 * sb + 8 * kk + tig
+                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, mq32[_ix(xw)], mq32[_ix(xw + 4)])
+                    isum[0] = int32(isum[0] + c0)
+                    isum[1] = int32(isum[1] + c1)
+                    isum[2] = int32(isum[2] + c2)
+                    isum[3] = int32(isum[3] + c3)
+                for sub in range(16):                  # Σ min · bsum over the 16 sub-blocks
+                    m_lo = bfe(a32[_ix(w_lo + (sub >> 2))], 8 * (sub & 3) + 4, 4)
+                    m_hi = bfe(a32[_ix(w_hi + (sub >> 2))], 8 * (sub & 3) + 4, 4)
+                    bs0 = mbs[_ix(pair0 * 16 * nsb + 16 * sb + sub)]
+                    bs1 = mbs[_ix(pair1 * 16 * nsb + 16 * sb + sub)]
+                    summs[0] = imad(m_lo, bs0, summs[0])
+                    summs[1] = imad(m_lo, bs1, summs[1])
+                    summs[2] = imad(m_hi, bs0, summs[2])
+                    summs[3] = imad(m_hi, bs1, summs[3])
+                dd_lo = a32[_ix(w_lo + 20)]
+                dd_hi = a32[_ix(w_hi + 20)]
+                for k in range(4):
+                    dd = dd_lo if k < 2 else dd_hi
+                    d = f16_bits_to_f32(dd & _M16)
+                    dmin = f16_bits_to_f32(dd >> uint32(16))
+                    xdv = md[_ix((pair0 if k % 2 == 0 else pair1) * nsb + sb)]
+                    term = cuda.fma(xdv * d, float32(isum[k]), -((xdv * dmin) * float32(summs[k])))
+                    acc[4 * q + k] = acc[4 * q + k] + term
+        for k in range(4):
+            row = row0 + gid + 8 * (k >> 1)
+            col = 2 * tig + (k & 1)
+            if row < n_embd and col < cnt:
+                pair = tile_tok[base + col] * n_used + tile_slot[base + col]
+                pair_out[_ix(pair * n_embd + row)] = (acc[k] + acc[8 + k]) + (acc[4 + k] + acc[12 + k])
+
+    return moe_down_tiles_mma
+
+
+@cuda.jit(device=True, forceinline=True)
+def _q2_scaled(a32, w, qword, shift, sub):
+    """Four Q2_K weights (qs word `qword` of the block at word w, bits `shift`) times their
+    sub-block's 4-bit scale (scale byte `sub`): bytes <= 3 x 15, so no carry between them."""
+    q2 = (a32[_ix(w + qword)] >> uint32(shift)) & _LOW2
+    scale = uint32(bfe(a32[_ix(w + (sub >> 2))], 8 * (sub & 3), 4))
+    return uint32(q2 * scale)
+
+
 @cuda.jit(device=True, forceinline=True)
 def _iq2_word(grid_s, ks_s, aux0, aux1, l, half):
     """Signed bytes 4·half.. of the 8 weights of IQ2_XXS group l (grid index byte l of aux0, sign
@@ -1628,12 +1725,20 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
             a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
-    NCH = _nch(n_ff)
-    dn = _cached(("moe_down_tiles", down_type, T, NCH),
-                 lambda: _moe_down_tiles_kernel(down_type, T, NCH))
-    dn[((n_embd + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
-       _shmem_x(down_type, T, n_ff)](
-        a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
-        F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
+    if mma and down_type == F.Q2_K:
+        g_off, g_tok, g_slot, g_cnt = group_tiles(ids, table, _MMA_TILE)
+        dn = _cached(("moe_down_tiles_mma",), _moe_down_tiles_mma_kernel)
+        dn[((n_embd + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), len(g_cnt)), _MMA_WARPS * WARP, s](
+            a32, cuda.to_device(g_off.reshape(-1), stream=s), cuda.to_device(g_tok.reshape(-1), stream=s),
+            cuda.to_device(g_slot.reshape(-1), stream=s), cuda.to_device(g_cnt, stream=s), n_used, _as_i32(mq),
+            md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd, pair_out)
+    else:
+        NCH = _nch(n_ff)
+        dn = _cached(("moe_down_tiles", down_type, T, NCH),
+                     lambda: _moe_down_tiles_kernel(down_type, T, NCH))
+        dn[((n_embd + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+           _shmem_x(down_type, T, n_ff)](
+            a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
+            F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
     n_out = n_tok * n_embd
     _moe_sum_kernel[(n_out + 255) // 256, 256, s](pair_out, n_tok, n_used, n_embd, _flat(out))
