@@ -1,7 +1,11 @@
 """Compile every cuda_ops kernel to PTX for sm_90 with the engine's argument types, without a GPU.
 
 Needs NVVM and NVRTC (`pip install "cuda-toolkit[nvvm,nvrtc,cudart]==13.0.*"`); catches typing
-errors before any device time is spent: `python scripts/check_cuda_compile.py`."""
+errors before any device time is spent: `python scripts/check_cuda_compile.py`. With `--ptxas`
+(ptxas on PATH) each PTX is also assembled for sm_90 and its registers, spills and stack frame
+are printed: a stack frame means a local array numba could not keep in registers (hc_pre had one)."""
+import sys
+
 import numpy as np
 from ds4py.kernels import cuda_ops as ops
 from numba import cuda, types
@@ -36,11 +40,28 @@ sigs = {
  "argmax_partial": (f32a, i32a, f32a, i32a),
  "argmax_finish": (f32a, i32a, i32a),
 }
+
+
+def ptxas_summary(ptx: str) -> str:
+    """Registers, spills and stack frame of the PTX as ptxas reports them for sm_90."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", f"{tmp}/k.cubin"],
+                           capture_output=True, text=True)
+    lines = [ln.split("info    :")[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return "; ".join(lines) if lines else r.stderr.strip()[:200]
+
+
 bad = 0
+report = "--ptxas" in sys.argv
 for name, sig in sigs.items():
     try:
-        cuda.compile_ptx(getattr(ops, name).py_func, sig, cc=(9, 0))
-        print("ok ", name)
+        ptx, _ = cuda.compile_ptx(getattr(ops, name).py_func, sig, cc=(9, 0))
+        print("ok ", name, ptxas_summary(ptx) if report else "")
     except Exception as e:
         bad += 1
         print("BAD", name, str(e).splitlines()[0][:300])
