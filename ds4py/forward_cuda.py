@@ -189,12 +189,12 @@ class CudaEngine:
                            f"{ops.ATTN_MAX_DIM}")
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.stream = self.main_stream = cuda.stream()
-        # A side stream for launches that do not depend on the main chain (the compressors beside
-        # the q/kv projections, the shared expert beside the router and routed experts): forked
-        # from and joined back into the main stream with events, so the captured step has parallel
-        # branches and the small kernels of one fill the SMs the other leaves idle.
-        # "aux" takes the routed experts' input quantization while the router runs. The simulator
-        # has no events: there everything stays on the main stream, in order.
+        # Side streams for launches that do not depend on the main chain, forked from and joined
+        # back into the main stream with events, so the captured step has parallel branches and the
+        # small kernels of one fill the SMs the other leaves idle: "side" takes the attention
+        # compressor, the KV row and the shared expert; "aux" the indexer and the routed experts'
+        # input quantization (see _attention, _ffn_route). The simulator has no events: there
+        # everything stays on the main stream, in order.
         names = ("side", "aux") if self.use_graphs else ()
         self.side_streams = {name: cuda.stream() for name in names}
         self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}

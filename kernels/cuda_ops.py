@@ -217,14 +217,20 @@ def q8_0_value(v, inv):
 
 
 @cuda.jit(device=True)
-def quantize_q8_0_warp(vals, block, lane, q_out, d_out):
-    """Q8_0 of the 32 values vals[32·block:] by one warp (GPU only): lane i takes value i, the
-    amax comes from a shuffle reduction, so one load per lane instead of 64 serial ones."""
-    v = vals[block * 32 + lane]
+def quantize_q8_0_lane(v, block, lane, q_out, d_out):
+    """Q8_0 of a 32-value block held one value per lane of a warp (GPU only): the amax comes from
+    a shuffle reduction; lane i writes code i, lane 0 the scale."""
     d, inv = q8_0_scale(warp_max_f32(abs(v)))
     q_out[block * 32 + lane] = q8_0_value(v, inv)
     if lane == 0:
         d_out[block] = d
+
+
+@cuda.jit(device=True)
+def quantize_q8_0_warp(vals, block, lane, q_out, d_out):
+    """Q8_0 of the 32 values vals[32·block:] by one warp (GPU only): one load per lane instead of
+    64 serial ones."""
+    quantize_q8_0_lane(vals[block * 32 + lane], block, lane, q_out, d_out)
 
 
 @cuda.jit(device=True)
@@ -475,6 +481,13 @@ def sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, eps, post, comb):
 
 
 @cuda.jit(device=True)
+def pre_gate(mix, w32, scale_off, base_off, h, eps):
+    """The weight of HC stream h in a sublayer's input (hc_pre) or the head's (hc_head), §6.2:
+    sigmoid(mix[h]·scale + base[h]) + eps."""
+    return sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(eps)
+
+
+@cuda.jit(device=True)
 def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64):
     """x = RMSNorm(Σ_h gates[h]·X[h])·w, and its Q8_0 quantization (every block thread calls):
     the input of a sublayer (HC pre) and of the output head (HC head collapse)."""
@@ -546,8 +559,7 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
     gram_values(part_gram[t], gram)
     gates = cuda.local.array(HC_MAX, float32)
     for h in range(HC_MAX):
-        gates[h] = sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(hc_eps) if h < n_hc \
-            else float32(0.0)
+        gates[h] = pre_gate(mix, w32, scale_off, base_off, h, hc_eps) if h < n_hc else float32(0.0)
     sumsq = float64(0.0)
     for h in range(HC_MAX):
         if h < n_hc:
@@ -566,11 +578,7 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
         x_out[t, i] = x
     if USE_SHUFFLES:
         if inside:
-            lane = tid % 32
-            d, inv = q8_0_scale(warp_max_f32(abs(x)))
-            xq[t, i] = q8_0_value(x, inv)
-            if lane == 0:
-                xd[t, i // 32] = d
+            quantize_q8_0_lane(x, i // 32, tid % 32, xq[t], xd[t])
     else:
         cuda.syncthreads()
         block = i // 32
@@ -591,7 +599,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
     mix = cuda.shared.array(64, float32)
     hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
     if tid < n_hc:
-        gate[tid] = sigmoid(mix[tid] * w32[scale_off] + w32[base_off + tid]) + float32(hc_eps)
+        gate[tid] = pre_gate(mix, w32, scale_off, base_off, tid, hc_eps)
     cuda.syncthreads()
     collapse_norm_q8(state[t], gate, w32, norm_off, rms_eps, x_out[t], xq[t], xd[t], scratch64)
 
