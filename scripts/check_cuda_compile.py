@@ -7,7 +7,7 @@ are printed: a stack frame means a local array numba could not keep in registers
 import sys
 
 import numpy as np
-from ds4py.kernels import cuda_ops as ops
+from ds4py.kernels import cuda as qk, cuda_ops as ops
 from numba import cuda, types
 import numba.cuda.dispatcher as _disp
 _disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)})()   # no GPU here
@@ -56,11 +56,31 @@ def ptxas_summary(ptx: str) -> str:
     return "; ".join(lines) if lines else r.stderr.strip()[:200]
 
 
+# the quant kernels of kernels/cuda.py (factories: one kernel per type and shape), as the engine
+# launches them for the flash shapes (IQ2_XXS gate/up, Q2_K down)
+IQ2, Q2K = qk.F.IQ2_XXS, qk.F.Q2_K
+u16a = types.uint16[::1]; f32 = types.float32
+moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a, u32a)
+tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a, u32a)
+quant = {
+ "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
+ "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
+ "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
+                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a, u32a)),
+ "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
+                                 (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64, u32a)),
+ "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
+ "moe_gate_up_tiles_mma IQ2_XXS": (qk._moe_gate_up_tiles_mma_kernel,
+                                   (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a, u32a)),
+}
+
 bad = 0
 report = "--ptxas" in sys.argv
-for name, sig in sigs.items():
+kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig) for name, sig in sigs.items()]
+kernels += [(name, lambda f=make: f().py_func, sig) for name, (make, sig) in quant.items()]
+for name, func, sig in kernels:
     try:
-        ptx, _ = cuda.compile_ptx(getattr(ops, name).py_func, sig, cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0))
         print("ok ", name, ptxas_summary(ptx) if report else "")
     except Exception as e:
         bad += 1

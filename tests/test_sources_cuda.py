@@ -107,26 +107,32 @@ def test_vram_taken_by_someone_else_falls_back_to_host_mapped(tiny):
     import gc
     gc.collect()                 # arrays other test modules dropped: free them before measuring
     gpu.release_deferred()
+    arena_bytes = layout.plan_arena(layout.spans_of(tiny, tiny.file.tensors)).nbytes
     # Take the VRAM in shrinking chunks until nothing more fits (numba clears its deferred frees
-    # and retries before it reports an OOM), then hand back 48 MB: less than the tiny model's
-    # 115 MB arena, so the device copy must fail however much memory was in use before.
+    # and retries before it reports an OOM; a second pass takes what that released), then hand
+    # back chunks while the free VRAM stays below half the tiny model's arena, so the device copy
+    # must fail however much memory was in use before.
     filler = []
-    for size in (1 << 30, 64 << 20, 8 << 20):
+    for size in (1 << 30, 64 << 20, 8 << 20, 1 << 20, 8 << 20, 1 << 20):
         while True:
             try:
                 filler.append(gpu.device_bytes(size))
             except gpu.CudaCallError:
+                gpu.release_deferred()
                 break
     assert filler, "could not allocate any VRAM"
-    handed_back = 0
-    while handed_back < (40 << 20) and len(filler) > 1:   # the smallest chunks are last
-        handed_back += filler.pop().size
-    gpu.release_deferred()
+    filler.sort(key=lambda a: a.size, reverse=True)          # the smallest chunks are handed back
+    while len(filler) > 1 and gpu.mem_info()[0] + filler[-1].size < arena_bytes // 2:
+        filler.pop()
+        gpu.release_deferred()
+    free = gpu.mem_info()[0]
+    assert free < arena_bytes, f"could not take the VRAM: {free} B free, arena {arena_bytes} B"
     lines = []
     try:
         src = sources.DeviceSource(tiny, **quiet(log=lines.append))
         try:
-            assert src.regime == "host-mapped" and "OUT_OF_MEMORY" in lines[0]
+            assert src.regime == "host-mapped" and "OUT_OF_MEMORY" in lines[0], \
+                f"free VRAM {free} B, arena {arena_bytes} B: {lines}"
             check_dense(src, tiny)
         finally:
             src.close()
