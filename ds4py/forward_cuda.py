@@ -358,6 +358,11 @@ class CudaEngine:
         before the head) over the current state, with the streams' Gram partials hc_pre needs."""
         s = self.spec
         n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
+        if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
+            ops.hc_mix_tokens[(b.part_dot.shape[2], b.T), BLOCK, self.stream](
+                b.state, self.w16, self.off16(fn_name), b.hc_chunk, gram_rows > 0, b.part_dot[:, :n_rows],
+                b.part_sq, b.part_gram)
+            return
         ops.hc_mix_partial[(n_rows + gram_rows, b.part_dot.shape[2], b.T), BLOCK, self.stream](
             b.state, self.w16, self.off16(fn_name), b.hc_chunk, b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
 

@@ -332,6 +332,52 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
 
 
 @cuda.jit(cache=True)
+def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
+    """hc_mix_partial for a prefill chunk: block (chunk, token) writes all of the chunk's partials
+    (every mixer row, Σx², and the Gram pairs when with_gram) from one pass over its state slice.
+    hc_mix_partial's grid of (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token
+    prefill (1.8 ms per launch, ncu on the H200). Same per-thread order and the same block_sum per
+    value, so the partials equal hc_mix_partial's bit for bit (decode keeps that kernel: one token
+    needs its wider grid)."""
+    chunk = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    _, n_hc, n_embd = state.shape
+    n_rows = part_dot.shape[1]
+    start = chunk * chunk_len
+    stream = start // n_embd
+    d0 = start - stream * n_embd
+    scratch64 = cuda.shared.array(BLOCK, float64)
+    scratch32 = cuda.shared.array(BLOCK, float32)
+    sumsq = float64(0.0)
+    for j in range(tid, chunk_len, cuda.blockDim.x):
+        v = state[t, stream, d0 + j]
+        sumsq += float64(v) * float64(v)
+    total_sq = block_sum(sumsq, scratch64)
+    if tid == 0:
+        part_sq[t, chunk] = total_sq
+    for row in range(n_rows):
+        base = fn_off + row * n_hc * n_embd + start
+        dot = float32(0.0)
+        for j in range(tid, chunk_len, cuda.blockDim.x):
+            dot += float32(w16[base + j]) * state[t, stream, d0 + j]
+        total_dot = block_sum(dot, scratch32)
+        if tid == 0:
+            part_dot[t, row, chunk] = total_dot
+    if with_gram:
+        span = n_embd // part_dot.shape[2]
+        for pair in range(n_hc * n_hc):
+            h_a = pair // n_hc
+            h_b = pair - h_a * n_hc
+            gram = float64(0.0)
+            for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
+                gram += float64(state[t, h_a, d]) * float64(state[t, h_b, d])
+            total_gram = block_sum(gram, scratch64)
+            if tid == 0:
+                part_gram[t, pair, chunk] = total_gram
+
+
+@cuda.jit(cache=True)
 def hc_post(state, f_a, f_b, post, comb):
     """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be zeros.
     Token t = blockIdx.y: state [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb

@@ -22,6 +22,7 @@ u32a2 = types.uint32[:, ::1]; f64a2 = types.float64[:, ::1]; i64a3 = types.int64
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a3),
  "hc_mix_partial": (f32a3, f16a, i64, i64, f32A3, f64a2, types.float64[:, :, ::1]),
+ "hc_mix_tokens": (f32a3, f16a, i64, i64, b1, f32A3, f64a2, types.float64[:, :, ::1]),
  "hc_pre": (f32a3, f32A3, f64a2, types.float64[:, :, ::1], f32a, i64, i64, i64, i64, f64, f64, f32a2, f32a2, f32a2, i8a2, f32a2),
  "hc_post": (f32a3, f32a2, f32a2, f32a2, f32a2),
  "hc_head": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),

@@ -17,7 +17,7 @@ if [[ $parts == *" bench "* ]]; then
 fi
 if [[ $parts == *" kernels "* ]]; then
   timeout ${KERNELS_S:-150} $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
-    python3 scripts/profile_step.py > $OUT/ncu_step.csv 2> /tmp/ncu.err
+    python3 scripts/profile_step.py ${PROFILE_ARGS:-} > $OUT/ncu_step.csv 2> /tmp/ncu.err
   { tail -3 /tmp/ncu.err; python3 scripts/profile_step.py --summarize $OUT/ncu_step.csv; } > $OUT/kernels.txt 2>&1
   head -40 $OUT/kernels.txt
 fi

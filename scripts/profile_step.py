@@ -1,4 +1,5 @@
-"""Per-kernel device time of one decode step (flash preset, device-resident), for ncu.
+"""Per-kernel device time of one decode step (or, with --prefill N, of one N-token prefill chunk)
+(flash preset, device-resident), for ncu.
 
 Run under Nsight Compute with the profiler range off at start:
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -16,7 +17,7 @@ import re
 import sys
 
 
-def run(model_path: str, n_prompt: int) -> None:
+def run(model_path: str, n_prompt: int, n_prefill: int = 0) -> None:
     from numba import cuda
 
     from ds4py import synth
@@ -36,10 +37,14 @@ def run(model_path: str, n_prompt: int) -> None:
     engine.decode_greedy(ids[n_prompt])           # graph captured and warm
     cuda.synchronize()
     cuda.profile_start()
-    engine.decode_greedy(ids[n_prompt + 1])
+    if n_prefill:
+        engine.prefill(ids[n_prompt + 1:n_prompt + 1 + n_prefill])
+    else:
+        engine.decode_greedy(ids[n_prompt + 1])
     cuda.synchronize()
     cuda.profile_stop()
-    print("profiled one step at position", engine.n_past - 1, file=sys.stderr)
+    what = f"a {n_prefill}-token prefill ending" if n_prefill else "one step"
+    print(f"profiled {what} at position", engine.n_past - 1, file=sys.stderr)
 
 
 def kernel_name(full: str) -> str:
@@ -68,7 +73,7 @@ def summarize(path: str) -> None:
         total[name] += value * scale
         count[name] += 1
     all_us = sum(total.values())
-    print(f"{sum(count.values())} kernels, {all_us / 1e3:.2f} ms of kernel time in one step")
+    print(f"{sum(count.values())} kernels, {all_us / 1e3:.2f} ms of kernel time")
     print(f"{'kernel':40s} {'launches':>8s} {'total us':>10s} {'mean us':>8s} {'share':>6s}")
     for name, us in total.most_common():
         print(f"{name:40s} {count[name]:8d} {us:10.1f} {us / count[name]:8.2f} {us / all_us:6.1%}")
@@ -78,9 +83,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/flash.gguf")
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens")
     ap.add_argument("--summarize")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
     else:
-        run(args.model, args.prompt)
+        run(args.model, args.prompt, args.prefill)

@@ -54,6 +54,15 @@ def check_hc(n_tok):
     part_gram = cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64)
     ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), 64](
         d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram)
+    # the prefill form (block per chunk and token) gives the same partials, bit for bit
+    tok_dot, tok_sq, tok_gram = (cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram))
+    ops.hc_mix_tokens[(n_chunks, n_tok), 64](d_state, d_arena.view(np.float16), 0, chunk, True, tok_dot,
+                                             tok_sq, tok_gram)
+    for name, a, b in (("dots", part_dot, tok_dot), ("Σx²", part_sq, tok_sq), ("Gram", part_gram, tok_gram)):
+        same = np.array_equal(a.copy_to_host(), b.copy_to_host())
+        print(("ok " if same else "BAD") + f" hc_mix_tokens {name} [T={n_tok}]: bitwise equal to hc_mix_partial: {same}")
+        if not same:
+            raise SystemExit(f"hc_mix_tokens {name} differs from hc_mix_partial")
     post = cuda.device_array((n_tok, n_hc), np.float32)
     comb = cuda.device_array((n_tok, n_hc * n_hc), np.float32)
     x = cuda.device_array((n_tok, n_embd), np.float32)
