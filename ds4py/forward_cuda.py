@@ -140,6 +140,11 @@ class Scratch:
         self.argmax_val, self.argmax_idx = d(ops.ARGMAX_BLOCKS, f32), d(ops.ARGMAX_BLOCKS, i32)
         self.forbid = cuda.to_device(np.full(1, -1, i32))
         self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff) if n_tok == 1 else None
+        # prefill: a compressor lane's state rows + the chunk's rows (compressor_chunk_*), kv and
+        # scores, per lane (the two lanes run on different streams)
+        ext_rows = ops.COMP_MAX_RATIO + P
+        self.comp_ext = tuple(d(ext_rows * 2 * s.head_dim, f32) for _ in range(2)) if n_tok > 1 else None
+        self.icomp_ext = tuple(d(ext_rows * 2 * s.idx_dim, f32) for _ in range(2)) if n_tok > 1 else None
         self._views = {}
 
     def view(self, T: int):
@@ -151,7 +156,7 @@ class Scratch:
         s = self.spec
         v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, logits=self.logits, next_token=self.next_token,
                             argmax_val=self.argmax_val, argmax_idx=self.argmax_idx, forbid=self.forbid,
-                            moe_work=self.moe_work)
+                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext)
         for name, a in self.tok.items():
             setattr(v, name, a[:T])
         for name, (a, width) in self.flat.items():
@@ -397,11 +402,11 @@ class CudaEngine:
         if ratio and self._on("compress"):
             with self._branch():
                 self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
-                                 layer.kv_state, layer.score_state, layer.comp, False)
+                                 layer.kv_state, layer.score_state, layer.comp, False, pos0, b.comp_ext)
         if ratio == 4 and self._on("index"):
             with self._branch("aux"):
                 self._compressor(b, p + "indexer_compressor", 4, s.idx_dim, freqs, b.icomp_pair,
-                                 layer.ikv_state, layer.iscore_state, layer.icomp, True)
+                                 layer.ikv_state, layer.iscore_state, layer.icomp, True, pos0, b.icomp_ext)
                 if use_selected:
                     self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
         if self._on("attn_proj"):
@@ -499,7 +504,10 @@ class CudaEngine:
         return group not in self.skip
 
     def _compressor(self, b, prefix, ratio, head_dim, freqs, pair_flat, kv_state, score_state, cache,
-                    indexer_lane):
+                    indexer_lane, pos0, ext):
+        """A compressor lane over the T tokens: token by token in one block (decode, and prefill
+        chunks too short to gain), or for a prefill chunk (pos0 known) staged, pooled one block per
+        window and carried over (compressor_chunk_*: the same rows and state)."""
         s, st = self.spec, self.stream
         T = b.T
         width = (2 if ratio == 4 else 1) * head_dim
@@ -507,10 +515,25 @@ class CudaEngine:
         self._proj_pair(prefix + "_kv.weight", prefix + "_gate.weight", b.x, None, None, pair, T)
         threads = BLOCK if head_dim <= BLOCK else ops.BLOCK2    # its scratch holds BLOCK2
         assert head_dim <= ops.BLOCK2, "compressor_step handles head_dim <= BLOCK2"
+        assert ratio <= ops.COMP_MAX_RATIO, f"compress ratio {ratio} > {ops.COMP_MAX_RATIO}"
+        ape_off, norm_off = self.off16(prefix + "_ape.weight"), self.off32(prefix + "_norm.weight")
+        if pos0 is not None and ext is not None and T > 1:
+            n_state = kv_state.shape[0]
+            ext_kv, ext_sc = (a[:(n_state + T) * width].reshape(n_state + T, width) for a in ext)
+            ops.compressor_chunk_stage[n_state + T, min(width, ops.BLOCK2), st](
+                pair[:, :width], pair[:, width:], self.w16, ape_off, pos0, ratio, kv_state, score_state,
+                ext_kv, ext_sc)
+            n_rows = (pos0 + T) // ratio - pos0 // ratio
+            if n_rows:
+                ops.compressor_chunk_rows[n_rows, threads, st](
+                    ext_kv, ext_sc, n_state, pos0, ratio, head_dim, self.w32, norm_off, s.rms_eps, s.n_rot,
+                    freqs, indexer_lane, cache)
+            ops.compressor_chunk_carry[(width + BLOCK - 1) // BLOCK, BLOCK, st](
+                ext_kv, ext_sc, pos0, T, ratio, kv_state, score_state)
+            return
         ops.compressor_step[1, threads, st](
-            pair[:, :width], pair[:, width:], self.w16, self.off16(prefix + "_ape.weight"), self.w32,
-            self.off32(prefix + "_norm.weight"), s.rms_eps, b.pos, ratio, head_dim, s.n_rot, freqs,
-            indexer_lane, kv_state, score_state, cache)
+            pair[:, :width], pair[:, width:], self.w16, ape_off, self.w32, norm_off, s.rms_eps, b.pos,
+            ratio, head_dim, s.n_rot, freqs, indexer_lane, kv_state, score_state, cache)
 
     def _ffn_route(self, b, il: int):
         s, st = self.spec, self.stream

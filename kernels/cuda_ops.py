@@ -805,45 +805,32 @@ def q_heads(q_all, head_dim, n_rot, eps, pos_buf, freqs):
 # ---- compressors (§6.8) -----------------------------------------------------------------------------
 
 @cuda.jit(device=True)
-def compressor_token(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos, ratio, head_dim, n_rot,
-                     freqs, indexer_lane, kv_state, score_state, cache, pooled, scratch64, scratch32):
-    """One token at position pos into a compressor lane (all block threads call); emits a pooled
-    row when (pos + 1) % ratio == 0. Ends with a barrier, so the next token sees the state."""
+def pool_column(kv, sc, win_rows, tid, ratio, head_dim):
+    """Softmax-pooled value of column tid over a compressor window: entry r of the window is row
+    win_rows[r] of kv / sc (scores with the APE added). Ratio 4 windows have 8 entries, the previous
+    window's 4 tokens on the first head_dim columns, then the current window's on the second;
+    other ratios have `ratio` entries on one set of columns."""
+    best = float32(NEG_INF)
+    n = 8 if ratio == 4 else ratio
+    for r in range(n):
+        col = head_dim + tid if ratio == 4 and r >= 4 else tid
+        best = max(best, sc[win_rows[r], col])
+    total = float32(0.0)
+    acc = float32(0.0)
+    for r in range(n):
+        col = head_dim + tid if ratio == 4 and r >= 4 else tid
+        e = math.exp(sc[win_rows[r], col] - best)
+        total += e
+        acc += e * kv[win_rows[r], col]
+    return acc / total if best > -5e29 else float32(0.0)
+
+
+@cuda.jit(device=True)
+def compressor_row(pooled, w32, norm_off, eps, pos, ratio, head_dim, n_rot, freqs, indexer_lane, cache,
+                   scratch64, scratch32):
+    """The pooled row of the window ending at position pos into its cache row: RMSNorm·w, RoPE on
+    the tail, then FP8 on the nope dims (attention lane) or Hadamard + FP4 (indexer lane), f16."""
     tid = cuda.threadIdx.x
-    coff = 2 if ratio == 4 else 1
-    width = coff * head_dim
-    row = 4 + pos % 4 if ratio == 4 else pos % ratio
-    phase = pos % ratio
-    for j in range(tid, width, cuda.blockDim.x):
-        kv_state[row, j] = kv_t[j]
-        score_state[row, j] = sc_t[j] + float32(w16[ape_off + phase * width + j])
-    cuda.syncthreads()
-    if (pos + 1) % ratio != 0:
-        return
-    if tid < head_dim:
-        best = float32(NEG_INF)
-        if ratio == 4:
-            for r in range(8):
-                col = tid if r < 4 else head_dim + tid
-                best = max(best, score_state[r, col])
-        else:
-            for r in range(ratio):
-                best = max(best, score_state[r, tid])
-        total = float32(0.0)
-        acc = float32(0.0)
-        if ratio == 4:
-            for r in range(8):
-                col = tid if r < 4 else head_dim + tid
-                e = math.exp(score_state[r, col] - best)
-                total += e
-                acc += e * kv_state[r, col]
-        else:
-            for r in range(ratio):
-                e = math.exp(score_state[r, tid] - best)
-                total += e
-                acc += e * kv_state[r, tid]
-        pooled[tid] = acc / total if best > -5e29 else float32(0.0)
-    cuda.syncthreads()
     sumsq = float64(0.0)
     if tid < head_dim:
         sumsq = float64(pooled[tid]) * float64(pooled[tid])
@@ -861,12 +848,40 @@ def compressor_token(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos, ratio, h
     if tid < head_dim:
         cache[out_row, tid] = f16_round(pooled[tid])
     cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def compressor_token(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos, ratio, head_dim, n_rot,
+                     freqs, indexer_lane, kv_state, score_state, cache, pooled, win_rows, scratch64,
+                     scratch32):
+    """One token at position pos into a compressor lane (all block threads call); emits a pooled
+    row when (pos + 1) % ratio == 0. Ends with a barrier, so the next token sees the state.
+    win_rows holds 0, 1, ..: the window's entries are the state rows in order."""
+    tid = cuda.threadIdx.x
+    coff = 2 if ratio == 4 else 1
+    width = coff * head_dim
+    row = 4 + pos % 4 if ratio == 4 else pos % ratio
+    phase = pos % ratio
+    for j in range(tid, width, cuda.blockDim.x):
+        kv_state[row, j] = kv_t[j]
+        score_state[row, j] = sc_t[j] + float32(w16[ape_off + phase * width + j])
+    cuda.syncthreads()
+    if (pos + 1) % ratio != 0:
+        return
+    if tid < head_dim:
+        pooled[tid] = pool_column(kv_state, score_state, win_rows, tid, ratio, head_dim)
+    cuda.syncthreads()
+    compressor_row(pooled, w32, norm_off, eps, pos, ratio, head_dim, n_rot, freqs, indexer_lane, cache,
+                   scratch64, scratch32)
     if ratio == 4:                     # the current window becomes the previous one
         for j in range(tid, width, cuda.blockDim.x):
             for r in range(4):
                 kv_state[r, j] = kv_state[4 + r, j]
                 score_state[r, j] = score_state[4 + r, j]
         cuda.syncthreads()
+
+
+COMP_MAX_RATIO = 128     # window entries the pooling kernels index through shared memory
 
 
 @jit_for_threads(BLOCK2)
@@ -876,14 +891,101 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
     compressor lane, in token order (token t at position pos_buf[t]); emits a pooled row every
     `ratio` tokens. Single block with blockDim >= head_dim. The attention lane ends with FP8 on
     the nope dims, the indexer lane with Hadamard + FP4 on the whole row; both round the row to
-    f16 before caching it."""
+    f16 before caching it. (The decode step's form; a prefill chunk uses the three compressor_chunk
+    kernels, which give the same rows and state.)"""
     pooled = cuda.shared.array(512, float32)
+    win_rows = cuda.shared.array(COMP_MAX_RATIO, int32)
     scratch64 = cuda.shared.array(BLOCK2, float64)
     scratch32 = cuda.shared.array(BLOCK2, float32)
+    for r in range(cuda.threadIdx.x, COMP_MAX_RATIO, cuda.blockDim.x):
+        win_rows[r] = r
+    cuda.syncthreads()
     for t in range(kv_t.shape[0]):
         compressor_token(kv_t[t], sc_t[t], w16, ape_off, w32, norm_off, eps, pos_buf[t], ratio,
                          head_dim, n_rot, freqs, indexer_lane, kv_state, score_state, cache, pooled,
-                         scratch64, scratch32)
+                         win_rows, scratch64, scratch32)
+
+
+# A prefill chunk (T tokens from position pos0, known on the host) through a compressor lane in
+# parallel instead of token by token (compressor_step on 512 tokens: 1.7 ms, 13 % of a prefill
+# chunk, ncu on the H200). The lane's state rows (S = kv_state.shape[0]) and the chunk's rows are
+# staged into one table ext [S + T, width]; position p lives at ext row S + p - pos0 when p >= pos0,
+# else at its state row. Then every window that ends in the chunk is pooled by its own block, and
+# the state is set to what the token-by-token kernel leaves. Same arithmetic, same bits.
+
+@cuda.jit(device=True)
+def chunk_row_of(p, pos0, n_state, ratio):
+    """Row of ext holding position p (p >= the previous window's start)."""
+    if p >= pos0:
+        return n_state + p - pos0
+    if ratio == 4:
+        return 4 + p % 4 if p // 4 == pos0 // 4 else p % 4
+    return p % ratio
+
+
+@cuda.jit(cache=True)
+def compressor_chunk_stage(kv_t, sc_t, w16, ape_off, pos0, ratio, kv_state, score_state, ext_kv, ext_sc):
+    """Block i: ext row i = state row i (i < S), or chunk token i - S with its APE added."""
+    i = cuda.blockIdx.x
+    n_state, width = kv_state.shape
+    for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        if i < n_state:
+            ext_kv[i, j] = kv_state[i, j]
+            ext_sc[i, j] = score_state[i, j]
+        else:
+            t = i - n_state
+            phase = (pos0 + t) % ratio
+            ext_kv[i, j] = kv_t[t, j]
+            ext_sc[i, j] = sc_t[t, j] + float32(w16[ape_off + phase * width + j])
+
+
+@jit_for_threads(BLOCK2)
+def compressor_chunk_rows(ext_kv, ext_sc, n_state, pos0, ratio, head_dim, w32, norm_off, eps, n_rot, freqs,
+                          indexer_lane, cache):
+    """Block k pools the k-th window ending in the chunk (at position e0 + k·ratio) into its cache
+    row, as compressor_token does."""
+    pooled = cuda.shared.array(512, float32)
+    win_rows = cuda.shared.array(COMP_MAX_RATIO, int32)
+    scratch64 = cuda.shared.array(BLOCK2, float64)
+    scratch32 = cuda.shared.array(BLOCK2, float32)
+    tid = cuda.threadIdx.x
+    pos = (pos0 + ratio) // ratio * ratio - 1 + cuda.blockIdx.x * ratio
+    start = pos + 1 - ratio
+    n = 8 if ratio == 4 else ratio
+    for r in range(tid, n, cuda.blockDim.x):
+        p = start - 4 + r if ratio == 4 else start + r          # ratio 4: previous window first
+        win_rows[r] = chunk_row_of(p, pos0, n_state, ratio)
+    cuda.syncthreads()
+    if tid < head_dim:
+        pooled[tid] = pool_column(ext_kv, ext_sc, win_rows, tid, ratio, head_dim)
+    cuda.syncthreads()
+    compressor_row(pooled, w32, norm_off, eps, pos, ratio, head_dim, n_rot, freqs, indexer_lane, cache,
+                   scratch64, scratch32)
+
+
+@cuda.jit(cache=True)
+def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_state):
+    """The state the token-by-token kernel leaves after the chunk: the current window's rows hold
+    its tokens so far, the rest the window before (for ratio 4 also copied to rows 0..3 when it
+    ended in the chunk). Thread per column; reads only ext, so no ordering hazard."""
+    j = cuda.grid(1)
+    n_state, width = kv_state.shape
+    if j >= width:
+        return
+    last = pos0 + n_tok - 1
+    cur = (last + 1) // ratio * ratio              # first position of the window open after the chunk
+    base = 4 if ratio == 4 else 0
+    for r in range(ratio):
+        p = cur + r if cur + r <= last else cur + r - ratio
+        if p >= pos0:
+            src = n_state + p - pos0
+            kv_state[base + r, j] = ext_kv[src, j]
+            score_state[base + r, j] = ext_sc[src, j]
+    if ratio == 4 and cur - 1 >= pos0:              # the window before ended in the chunk
+        for r in range(4):
+            src = chunk_row_of(cur - 4 + r, pos0, n_state, ratio)
+            kv_state[r, j] = ext_kv[src, j]
+            score_state[r, j] = ext_sc[src, j]
 
 
 # ---- indexer (§6.10) ---------------------------------------------------------------------------------

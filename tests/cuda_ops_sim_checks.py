@@ -298,7 +298,8 @@ def check_compressor():
     freqs_np = ref.Rope(n_rot, 160000.0, False)
     freqs = (160000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
     for ratio, dim, lane, chunk in ((4, 128, "attn", 1), (4, 64, "index", 1), (8, 128, "attn", 1),
-                                    (4, 128, "attn", 5), (4, 64, "index", 3), (8, 128, "attn", 7)):
+                                    (4, 128, "attn", 5), (4, 64, "index", 3), (8, 128, "attn", 7),
+                                    (8, 128, "attn", 3), (4, 64, "index", 9)):
         coff = 2 if ratio == 4 else 1
         width = coff * dim
         ape = rng.normal(0, 0.1, (ratio, width)).astype(np.float16)
@@ -322,6 +323,9 @@ def check_compressor():
                                       ("comp" if lane == "attn" else "index", 0))
             if row is not None:
                 want_rows.append(row)
+        # the prefill form (compressor_chunk_*) on its own copy of the state
+        c_kv, c_sc, c_cache = (cuda.to_device(a.copy_to_host()) for a in (kv_state, score_state, cache))
+        n_state = coff * ratio
         for first in range(0, n_pos, chunk):
             T = min(chunk, n_pos - first)
             # identity / diagonal projections: kv_t = x and sc_t = gate ⊙ x, as the two halves of
@@ -331,9 +335,26 @@ def check_compressor():
             ops.compressor_step[1, 256](d_pair[:, :width], d_pair[:, width:], w16, 0, w32, 0,
                                         1e-6, cuda.to_device(np.arange(first, first + T, dtype=np.int32)), ratio,
                                         dim, n_rot, cuda.to_device(freqs), lane == "index", kv_state, score_state, cache)
+            if chunk > 1:
+                ext_kv = cuda.device_array((n_state + T, width), np.float32)
+                ext_sc = cuda.device_array((n_state + T, width), np.float32)
+                ops.compressor_chunk_stage[n_state + T, 64](d_pair[:, :width], d_pair[:, width:], w16, 0, first,
+                                                            ratio, c_kv, c_sc, ext_kv, ext_sc)
+                n_rows = (first + T) // ratio - first // ratio
+                if n_rows:
+                    ops.compressor_chunk_rows[n_rows, 256](ext_kv, ext_sc, n_state, first, ratio, dim, w32, 0, 1e-6,
+                                                           n_rot, cuda.to_device(freqs), lane == "index", c_cache)
+                ops.compressor_chunk_carry[(width + 63) // 64, 64](ext_kv, ext_sc, first, T, ratio, c_kv, c_sc)
         got = cache.copy_to_host()[:len(want_rows)]
         close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows, {chunk} tokens per launch)", got,
               np.array(want_rows), 2e-3)
+        if chunk > 1:
+            for name, a, b in (("rows", cache, c_cache), ("kv state", kv_state, c_kv), ("score state", score_state, c_sc)):
+                if not np.array_equal(a.copy_to_host(), b.copy_to_host()):
+                    print(f"BAD compressor_chunk {name} (ratio {ratio}, {chunk} tokens): differs from compressor_step")
+                    raise SystemExit(1)
+            print(f"ok  compressor_chunk ratio {ratio} {lane}, {chunk} tokens per chunk: rows and state bitwise "
+                  f"equal to compressor_step")
 
 
 def check_glue():
