@@ -29,7 +29,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, prmt
+from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -232,10 +232,11 @@ _TABLES = None
 
 
 def _iq2_tables():
-    """Device copy of the IQ2_XXS grid as byte-permute selectors (uint32[256]), made once."""
+    """Device copies of the IQ2_XXS grid (uint64[256]) and sign table (uint8[128]), made once."""
     global _TABLES
     if _TABLES is None:
-        _TABLES = cuda.to_device(F.IQ2XXS_GRID_SEL)
+        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)),
+                   cuda.to_device(F.KSIGNS_IQ2XS.astype(np.uint8)))
     return _TABLES
 
 
@@ -695,19 +696,19 @@ def _make_compute_iq2_xxs(T, x_regs=False):
     """Lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte words and
     dots them with each token's 32 activation bytes (padded shared-memory layout; with x_regs,
     one token whose words for step u are the lane's registers xsrc[xu = 8u ..])."""
-    COPIES = _iq2_copies(x_regs)
 
     @cuda.jit(device=True, forceinline=True)
-    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s,
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         wv = cuda.local.array(8, uint32)
         dbits = raw[o]
         aux0 = raw[o + 1]
         aux1 = raw[o + 2]
         for l in range(4):
-            sel = _iq2_sel(grid_s, COPIES, aux0, l)          # 8 magnitudes as level indices
-            wv[2 * l] = _iq2_half(sel, aux1, l, 0)
-            wv[2 * l + 1] = _iq2_half(sel, aux1, l, 1)
+            gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
+            s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
+            wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
+            wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
         ls = imad(bfe(aux1, 28, 4), 2, 1)                   # 2*s + 1
         dw = f16_bits_to_f32(dbits)
         xw = 9 * (8 * sb + j)
@@ -753,7 +754,7 @@ def _make_compute_q2_k(T):
     """Lane j owns qs words j and 8+j: 32 weights (4 shifts x 2 halves x 4 bytes)."""
 
     @cuda.jit(device=True, forceinline=True)
-    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s,
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         hj = j >> 2                      # which 16-weight half of each 32-weight chunk
         dd = raw[o + 6]
@@ -808,7 +809,7 @@ def _make_compute_q4_k(T):
     """Lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
 
     @cuda.jit(device=True, forceinline=True)
-    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s,
+    def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         scl = cuda.local.array(8, int32)
         w0 = raw[o]
@@ -871,7 +872,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
     NRAW = R * NCH * NWORDS
 
     @cuda.jit(device=True, forceinline=True)
-    def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, res):
+    def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
         lane = cuda.laneid
         q = lane >> 3
         j = lane & 7
@@ -889,7 +890,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
                 for u in range(NCH):
                     sb = (c0 + u) * 4 + q
                     compute(raw, (r * NCH + u) * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd,
-                            xbs, toks, r * T, cnt, grid_s, acc, r * T, 8 * u)
+                            xbs, toks, r * T, cnt, grid_s, ks_s, acc, r * T, 8 * u)
         for i in range(NACC):
             res[i] = scale * _sum_groups_of_8_f32(acc[i])
 
@@ -915,52 +916,12 @@ def _stages_x(wtype):
     return wtype == F.IQ2_XXS
 
 
-# IQ2_XXS grid lookups: 32 lanes reading random entries of one 256-entry table conflict on the
-# shared-memory banks (the decode MoE kernels were bound by it: ~3.5 wavefronts per load). So the
-# block keeps C copies of the selector table, entry e of copy c at word e*C + c, and lane l reads
-# copy l % C: with C = 32 every lane has its own bank (one wavefront), with C = 16 (kernels that
-# also stage activations in shared memory: 16 KB instead of 32) two lanes share one. The signs
-# need no table: ksigns[i] = i | parity(i) << 7.
-
-_LEVELS_WORD = uint32(F.GRID_LEVELS_WORD)
-_IQ2_COPIES = 32          # activations in registers
-_IQ2_COPIES_STAGED = 16   # activations staged in shared memory too
-
-
-def _iq2_copies(x_regs):
-    return _IQ2_COPIES if x_regs else _IQ2_COPIES_STAGED
-
-
-def _grid_words(wtype, copies):
-    """Words of the shared IQ2_XXS selector table a kernel for wtype declares (1: none needed)."""
-    return 256 * copies if wtype == F.IQ2_XXS else 1
-
-
 @cuda.jit(device=True, forceinline=True)
-def _load_iq2_grid(grid_s, iq2_sel, copies):
-    """Fill the block's copies: one global load per entry, then its copies written starting at a
-    lane-dependent copy, so the lanes of a warp store to different banks."""
-    rot = cuda.laneid
-    for e in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
-        sel = iq2_sel[e]
-        for c in range(copies):
-            grid_s[e * copies + ((c + rot) & (copies - 1))] = sel
-
-
-@cuda.jit(device=True, forceinline=True)
-def _iq2_sel(grid_s, copies, aux0, l):
-    """Selector word of grid entry l of a sub-block (index byte l of aux0), from this lane's copy."""
-    return grid_s[_ix(imad(bfe(aux0, 8 * l, 8), copies, cuda.laneid & (copies - 1)))]
-
-
-@cuda.jit(device=True, forceinline=True)
-def _iq2_half(sel, aux1, l, half):
-    """Signed bytes 4·half.. of the 8 weights of group l (selector sel, sign index bits 7l.. of
-    aux1), as one int8x4 word."""
-    idx = bfe(aux1, 7 * l, 7)
-    s8 = idx | ((cuda.popc(idx) & 1) << 7)             # ksigns: the parity bit makes 8 signs
-    mag = prmt(_LEVELS_WORD, 0, sel >> uint32(16 * half))
-    return negate_bytes(mag, (s8 >> (4 * half)) & 15)
+def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        grid_s[i] = grid_g[i]
+    for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
+        ks_s[i] = ks_g[i]
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -978,12 +939,11 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
     rowdots = _rowdots(wtype, T, R, NCH)
     stage = _stages_x(wtype)
     RT = R * T
-    COPIES = _iq2_copies(False)
-    GW = _grid_words(wtype, COPIES)
 
     @cuda.jit
-    def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+    def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -998,7 +958,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
                 toks[r * T + tt] = tok0 + tt if tt < cnt else tok0
                 xbase[r * T + tt] = tt * pad if stage else toks[r * T + tt] * k4
         if stage:
-            _load_iq2_grid(grid_s, iq2_sel, COPIES)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for tt in range(T):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, xq32, (tok0 + tt) * k4, k4)
@@ -1010,7 +970,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
                 roffs[r] = off + min(row0 + r, rows - 1) * rb   # a short last group repeats a row
             res = cuda.local.array(RT, float32)
             rowdots(a16, a32, roffs, nsb, xs if stage else xq32, xbase, xd, xbs, toks, cnt,
-                    grid_s, res)
+                    grid_s, ks_s, res)
             if lane == 0:
                 for r in range(R):
                     if row0 + r < rows:
@@ -1043,7 +1003,7 @@ def _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, arena_bytes):
         raise ValueError(f"{name}: needs the Q8_K bsums (n_tok*K/16 int32)")
     if off + rows * rb > arena_bytes:
         raise ValueError(f"{name}: tensor runs past the end of the arena")
-    if 4 * 4 * _pad_words(K) + 4 * _grid_words(wtype, _IQ2_COPIES_STAGED) > 48 * 1024:
+    if 4 * 4 * _pad_words(K) > 48 * 1024:
         raise ValueError(f"{name}: K = {K} is too wide for the shared-memory activation tile")
     return rb
 
@@ -1058,13 +1018,13 @@ def _matmul_q8k(wtype, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream):
     R = _R_DENSE_Q8K
     NCH = _nch(K)
     kernel = _cached(("q8k_dense", wtype, T, R, NCH), lambda: _q8k_dense_kernel(wtype, T, R, NCH))
-    iq2_sel = _iq2_tables()
+    grid_g, ks_g = _iq2_tables()
     shmem = 4 * T * _pad_words(K) if _stages_x(wtype) else 0
     rpb = _NW_Q8K * R
     grid = ((rows + rpb - 1) // rpb, (n_tok + T - 1) // T)
     kernel[grid, _NW_Q8K * WARP, _stream(stream), shmem](
         a16, a32, off, rb, rows, K // 256, _as_i32(xq), _flat(xd),
-        _flat(bsums) if bsums is not None else _dummy_i32(), n_tok, _flat(out), rows, iq2_sel)
+        _flat(bsums) if bsums is not None else _dummy_i32(), n_tok, _flat(out), rows, grid_g, ks_g)
 
 
 def matmul_iq2_xxs(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
@@ -1141,15 +1101,14 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
     rowdots = _rowdots(wtype, 1, 2, NCH, x_regs)      # gate row and up row together
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
-    COPIES = _iq2_copies(x_regs)
-    GW = _grid_words(wtype, COPIES)
     NX = 8 * NCH
     jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
 
     @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
-                           n_ff, rb, rpb, mid, iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+                           n_ff, rb, rpb, mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1162,7 +1121,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
         xbase[0] = 0
         xbase[1] = 0
         if tables:
-            _load_iq2_grid(grid_s, iq2_sel, COPIES)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         if stage:
             _stage_row(xs, 0, xq32, 0, k4)
         if tables:
@@ -1184,7 +1143,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
             roffs[0] = slot_off[k * 3] + r * rb
             roffs[1] = slot_off[k * 3 + 1] + r * rb
             rowdots(a16, a32, roffs, nsb, x_reg if x_regs else (xs if stage else xq32), xbase, xd, xbs,
-                    toks, 1, grid_s, res)
+                    toks, 1, grid_s, ks_s, res)
             if lane == 0:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
 
@@ -1194,14 +1153,13 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
 def _moe_down_decode_kernel(wtype, NCH, R):
     rowdots = _rowdots(wtype, 1, R, NCH)
     stage = _stages_x(wtype)
-    COPIES = _iq2_copies(False)
-    GW = _grid_words(wtype, COPIES)
     UPB = _NW_MOE * R                  # (row, slot) units per block
 
     @cuda.jit
     def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
-                        iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+                        grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         part = cuda.shared.array(UPB, float32)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
@@ -1209,7 +1167,7 @@ def _moe_down_decode_kernel(wtype, NCH, R):
         k4 = nsb * 64
         pad = k4 + k4 // 8
         if stage:
-            _load_iq2_grid(grid_s, iq2_sel, COPIES)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for k in range(n_used):
                 _stage_row(xs, k * pad, mq32, k * k4, k4)
             cuda.syncthreads()
@@ -1229,7 +1187,7 @@ def _moe_down_decode_kernel(wtype, NCH, R):
                 xbase[i] = k * pad if stage else k * k4
             res = cuda.local.array(R, float32)
             rowdots(a16, a32, roffs, nsb, xs if stage else mq32, xbase, md, mbs, toks, 1,
-                    grid_s, res)
+                    grid_s, ks_s, res)
             if lane == 0:
                 for i in range(R):
                     if u0 + i < n_units:
@@ -1250,14 +1208,13 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     NW rows; gate and up for all pairs of the tile, the same arithmetic as decode."""
     rowdots = _rowdots(wtype, T, 2, NCH)
     stage = _stages_x(wtype)
-    COPIES = _iq2_copies(False)
-    GW = _grid_words(wtype, COPIES)
     T2 = 2 * T
 
     @cuda.jit
     def moe_gate_up_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd,
-                          xbs, nsb, route_w, clamp, n_ff, rb, mid, iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+                          xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
@@ -1276,7 +1233,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
                 toks[r * T + tt] = tok
                 xbase[r * T + tt] = tt * pad if stage else tok * k4
         if stage:
-            _load_iq2_grid(grid_s, iq2_sel, COPIES)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for tt in range(T):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
@@ -1288,7 +1245,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
             roffs[1] = tile_off[tile * 3 + 1] + r * rb
             res = cuda.local.array(T2, float32)
             rowdots(a16, a32, roffs, nsb, xs if stage else xq32, xbase, xd, xbs, toks, cnt,
-                    grid_s, res)
+                    grid_s, ks_s, res)
             if lane == 0:
                 for tt in range(T):
                     if tt < cnt:
@@ -1309,18 +1266,17 @@ def _moe_gate_up_tiles_mma_kernel():
     decode kernel's order: lane group q = sb % 4 accumulates fma(d_w·d_x, sum) over its super-blocks,
     then (q0 + q2) + (q1 + q3), times 1/8. So mid equals moe_decode's bit for bit."""
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
-    COPIES = _IQ2_COPIES               # the activations come from global memory: 32 KB of copies
-    GW = _grid_words(F.IQ2_XXS, COPIES)
 
     @cuda.jit
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, nsb,
-                              route_w, clamp, n_ff, rb, mid, iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+                              route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
         if cnt <= 0:                                   # block-uniform
             return
-        _load_iq2_grid(grid_s, iq2_sel, COPIES)
+        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1358,10 +1314,10 @@ def _moe_gate_up_tiles_mma_kernel():
                         aux1_hi = _u16pair(a16, h_hi + 3 + 4 * j)
                         # bytes 4 tig.. of the sub-block are half `half` of grid entry tig >> 1, bytes
                         # 16 + 4 tig.. of entry 2 + (tig >> 1)
-                        a0 = _iq2_word(grid_s, COPIES, aux0_lo, aux1_lo, tig >> 1, half)
-                        a1 = _iq2_word(grid_s, COPIES, aux0_hi, aux1_hi, tig >> 1, half)
-                        a2 = _iq2_word(grid_s, COPIES, aux0_lo, aux1_lo, 2 + (tig >> 1), half)
-                        a3 = _iq2_word(grid_s, COPIES, aux0_hi, aux1_hi, 2 + (tig >> 1), half)
+                        a0 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, tig >> 1, half)
+                        a1 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, tig >> 1, half)
+                        a2 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, 2 + (tig >> 1), half)
+                        a3 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, 2 + (tig >> 1), half)
                         xw = tok_b * words + 64 * sb + 8 * j + tig
                         c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, xq32[_ix(xw)], xq32[_ix(xw + 4)])
                         ls_lo = imad(bfe(aux1_lo, 28, 4), 2, 1)
@@ -1490,23 +1446,25 @@ def _q2_scaled(a32, w, qword, shift, sub):
 
 
 @cuda.jit(device=True, forceinline=True)
-def _iq2_word(grid_s, copies, aux0, aux1, l, half):
+def _iq2_word(grid_s, ks_s, aux0, aux1, l, half):
     """Signed bytes 4·half.. of the 8 weights of IQ2_XXS group l (grid index byte l of aux0, sign
     index bits 7l.. of aux1), as one int8x4 word."""
-    return _iq2_half(_iq2_sel(grid_s, copies, aux0, l), aux1, l, half)
+    gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]
+    word = uint32(gv >> uint64(32)) if half else uint32(gv & uint64(0xFFFFFFFF))
+    s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])
+    return negate_bytes(word, (s8 >> (4 * half)) & 15)
 
 
 def _moe_down_tiles_kernel(wtype, T, NCH):
     """Prefill: each (token, slot) pair's down projection, written to pair_out[pair, n_embd]."""
     rowdots = _rowdots(wtype, T, 1, NCH)
     stage = _stages_x(wtype)
-    COPIES = _iq2_copies(False)
-    GW = _grid_words(wtype, COPIES)
 
     @cuda.jit
     def moe_down_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs,
-                       nsb, rb, n_embd, pair_out, iq2_sel):
-        grid_s = cuda.shared.array(GW, uint32)
+                       nsb, rb, n_embd, pair_out, grid_g, ks_g):
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
@@ -1523,7 +1481,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
             toks[tt] = tile_tok[tile * T + t_] * n_used + tile_slot[tile * T + t_]
             xbase[tt] = tt * pad if stage else toks[tt] * k4
         if stage:
-            _load_iq2_grid(grid_s, iq2_sel, COPIES)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for tt in range(T):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, mq32, toks[tt] * k4, k4)
@@ -1534,7 +1492,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
             roffs[0] = tile_off[tile * 3 + 2] + r * rb
             res = cuda.local.array(T, float32)
             rowdots(a16, a32, roffs, nsb, xs if stage else mq32, xbase, md, mbs, toks, cnt,
-                    grid_s, res)
+                    grid_s, ks_s, res)
             if lane == 0:
                 for tt in range(T):
                     if tt < cnt:
@@ -1606,13 +1564,13 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     x_regs = _gate_up_x_regs(gate_type, n_embd)
     kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs),
                      lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs))
-    iq2_sel = _iq2_tables()
+    grid_g, ks_g = _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
     kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
         _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
-        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), iq2_sel)
+        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), grid_g, ks_g)
 
 
 def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0):
@@ -1628,13 +1586,13 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
         raise ValueError(f"moe_down: at most {_NW_MOE * R} experts per token")
     kernel = _cached(("moe_down_dec", down_type, NCH, R),
                      lambda: _moe_down_decode_kernel(down_type, NCH, R))
-    iq2_sel = _iq2_tables()
+    grid_g, ks_g = _iq2_tables()
     rpb = (_NW_MOE * R) // n_used
     kernel[(n_embd + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream),
            _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
-        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), iq2_sel)
+        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), grid_g, ks_g)
 
 
 class MoEWorkspace:
@@ -1746,7 +1704,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     d_cnt = cuda.to_device(tile_cnt, stream=s)
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
-    iq2_sel = _iq2_tables()
+    grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma is None:
         mma = _USE_MMA
@@ -1757,7 +1715,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
             a16, cuda.to_device(g_off.reshape(-1), stream=s), cuda.to_device(g_tok.reshape(-1), stream=s),
             cuda.to_device(g_slot.reshape(-1), stream=s), cuda.to_device(g_cnt, stream=s), n_used, _as_i32(xq),
             xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid,
-            iq2_sel)
+            grid_g, ks_g)
     else:
         NCH = _nch(n_embd)
         gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
@@ -1765,7 +1723,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
         gu[((n_ff + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
            _shmem_x(gate_type, T, n_embd)](
             a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
-            _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, iq2_sel)
+            _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
     if mma and down_type == F.Q2_K:
         g_off, g_tok, g_slot, g_cnt = group_tiles(ids, table, _MMA_TILE)
@@ -1781,6 +1739,6 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
         dn[((n_embd + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
            _shmem_x(down_type, T, n_ff)](
             a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
-            F.row_bytes(down_type, n_ff), n_embd, pair_out, iq2_sel)
+            F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
     n_out = n_tok * n_embd
     _moe_sum_kernel[(n_out + 255) // 256, 256, s](pair_out, n_tok, n_used, n_embd, _flat(out))

@@ -11,8 +11,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   mma.sync.m16n8k32.row.col.s32.s8.s8.s32, C = 0): A 16 x 32 (row-major), B 32 x 8 (one column per
   token), the thread's four int32 results (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1).
   Exact integer dots, so a kernel that scales them per Q8_0 block gets the dp4a kernels' numbers.
-* ``prmt(a, b, sel)``: PTX prmt.b32 (default mode): result byte k is byte (nibble k of sel) & 7
-  of the 8 bytes b:a, or that byte's sign replicated when the nibble's bit 3 is set.
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -49,17 +47,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def mma_s8(a0, a1, a2, a3, b0, b1):
         raise NotImplementedError("mma_s8 is a warp-wide tensor-core instruction: no simulator version")
-
-    def prmt(a, b, sel):
-        pool = ((int(b) & 0xFFFFFFFF) << 32) | (int(a) & 0xFFFFFFFF)
-        out = 0
-        for k in range(4):
-            nib = (int(sel) >> (4 * k)) & 15
-            byte = (pool >> (8 * (nib & 7))) & 0xFF
-            if nib & 8:
-                byte = 0xFF if byte & 0x80 else 0
-            out |= byte << (8 * k)
-        return np.uint32(out)
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -154,19 +141,6 @@ else:
                                vals + [zero] * 4)
             parts = [builder.extract_value(res, i) for i in range(4)]
             return context.make_tuple(builder, signature.return_type, parts)
-
-        return sig, codegen
-
-    @intrinsic
-    def prmt(typingctx, a, b, sel):
-        if not all(isinstance(t, types.Integer) for t in (a, b, sel)):
-            return None
-        sig = types.uint32(a, b, sel)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            return builder.call(ir.InlineAsm(fnty, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
 
         return sig, codegen
 

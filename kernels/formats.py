@@ -96,13 +96,8 @@ def _iq2xxs_grid() -> np.ndarray:
 KSIGNS_IQ2XS = _ksigns()                         # uint8[128]
 IQ2XXS_GRID = _iq2xxs_grid()                     # uint64[256]
 IQ2XXS_GRID_BYTES = IQ2XXS_GRID.view(np.uint8).reshape(256, 8)   # uint8[256, 8]
-# The grid as byte-permute selectors, the form the CUDA kernels load: nibble k of entry e is the
-# index (0, 1, 2) into GRID_LEVELS of byte k, so PTX prmt(GRID_LEVELS_WORD, 0, sel) gives bytes
-# 0..3 and prmt(GRID_LEVELS_WORD, 0, sel >> 16) bytes 4..7. One 32-bit word per entry (half the
-# shared-memory bytes of the uint64 grid), small enough to keep a copy per bank.
-GRID_LEVELS_WORD = GRID_LEVELS[0] | GRID_LEVELS[1] << 8 | GRID_LEVELS[2] << 16
-IQ2XXS_GRID_SEL = (np.searchsorted(np.asarray(GRID_LEVELS), IQ2XXS_GRID_BYTES).astype(np.uint32)
-                   << (4 * np.arange(8, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)   # uint32[256]
+# The grid as pairs of uint32 (low 4 bytes, high 4 bytes), the form the CUDA kernels load.
+IQ2XXS_GRID_U32 = IQ2XXS_GRID.view(np.uint32).reshape(256, 2).copy()
 
 
 def _nibble_masks() -> np.ndarray:

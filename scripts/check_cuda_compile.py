@@ -63,19 +63,20 @@ def ptxas_summary(ptx: str) -> str:
 # the quant kernels of kernels/cuda.py (factories: one kernel per type and shape), as the engine
 # launches them for the flash shapes (IQ2_XXS gate/up, Q2_K down)
 IQ2, Q2K = qk.F.IQ2_XXS, qk.F.Q2_K
-u16a = types.uint16[::1]; f32 = types.float32
-moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a, u32a)
-tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a, u32a)
+u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]; u8a = types.uint8[::1]
+tables = (u64a, u8a)          # the IQ2_XXS grid and sign table
+moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a) + tables
+tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
-                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a, u32a)),
+                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
-                                 (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64, u32a)),
+                                 (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
  "moe_gate_up_tiles_mma IQ2_XXS": (qk._moe_gate_up_tiles_mma_kernel,
-                                   (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a, u32a)),
+                                   (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
 }
 
 bad = 0

@@ -33,25 +33,6 @@ def test_iq2xxs_tables_match_gguf():
     assert set(np.unique(F.IQ2XXS_GRID_BYTES)) == set(F.GRID_LEVELS)
 
 
-def test_iq2xxs_selector_grid_and_computed_signs_match_gguf():
-    """The CUDA kernels' form of the tables: byte k of grid entry e is GRID_LEVELS[nibble k of
-    IQ2XXS_GRID_SEL[e]] (what prmt(GRID_LEVELS_WORD, 0, sel) picks), and the sign byte of index i
-    is i | parity(i) << 7 (computed with popc instead of a table lookup)."""
-    from gguf.quants import IQ2_XXS
-
-    IQ2_XXS.init_grid()
-    grid = IQ2_XXS.grid.reshape(256, 8).astype(np.uint8)
-    sel = F.IQ2XXS_GRID_SEL
-    assert sel.dtype == np.uint32 and sel.shape == (256,)
-    levels = np.array([(F.GRID_LEVELS_WORD >> (8 * k)) & 0xFF for k in range(4)], np.uint8)
-    nibbles = (sel[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
-    assert nibbles.max() <= 2                            # prmt picks from the levels word only
-    assert np.array_equal(levels[nibbles], grid)
-    idx = np.arange(128)
-    parity = np.array([bin(i).count("1") & 1 for i in idx])
-    assert np.array_equal((idx | parity << 7).astype(np.uint8), np.frombuffer(IQ2_XXS.ksigns, np.uint8))
-
-
 def test_block_geometry_matches_gguf():
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
