@@ -1682,6 +1682,15 @@ def group_tiles(ids, table, T):
     return tile_off, tile_tok, tile_slot, tile_cnt
 
 
+def _tiles_to_device(ids, table, T, s):
+    """group_tiles(ids, table, T) on the device in two copies (the int64 offsets, then token, slot
+    and count as one int32 array viewed in three parts): (offsets, tokens, slots, counts)."""
+    tile_off, tile_tok, tile_slot, tile_cnt = group_tiles(ids, table, T)
+    n = tile_tok.size
+    ints = cuda.to_device(np.concatenate([tile_tok.reshape(-1), tile_slot.reshape(-1), tile_cnt]), stream=s)
+    return cuda.to_device(tile_off.reshape(-1), stream=s), ints[:n], ints[n:2 * n], ints[2 * n:]
+
+
 def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
                 clamp, out, stream=0, mma=None):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
@@ -1695,50 +1704,43 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     n_tok, n_used = ids.shape
     table = np.asarray(expert_table, dtype=np.int64)
     T = _T_MOE_PREFILL
-    tile_off, tile_tok, tile_slot, tile_cnt = group_tiles(ids, table, T)
-    n_tiles = len(tile_cnt)
     s = _stream(stream)
-    d_off = cuda.to_device(tile_off.reshape(-1), stream=s)
-    d_tok = cuda.to_device(tile_tok.reshape(-1), stream=s)
-    d_slot = cuda.to_device(tile_slot.reshape(-1), stream=s)
-    d_cnt = cuda.to_device(tile_cnt, stream=s)
+    if mma is None:
+        mma = _USE_MMA
+    mma_gu, mma_dn = mma and gate_type == F.IQ2_XXS, mma and down_type == F.Q2_K
+    # the tile lists each kernel kind needs (grouped and copied once per call)
+    tiles = _tiles_to_device(ids, table, T, s) if not (mma_gu and mma_dn) else None
+    mma_tiles = _tiles_to_device(ids, table, _MMA_TILE, s) if mma_gu or mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
-    if mma is None:
-        mma = _USE_MMA
-    if mma and gate_type == F.IQ2_XXS:
-        g_off, g_tok, g_slot, g_cnt = group_tiles(ids, table, _MMA_TILE)
+    if mma_gu:
         gu = _cached(("moe_gu_tiles_mma",), _moe_gate_up_tiles_mma_kernel)
-        gu[((n_ff + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), len(g_cnt)), _MMA_WARPS * WARP, s](
-            a16, cuda.to_device(g_off.reshape(-1), stream=s), cuda.to_device(g_tok.reshape(-1), stream=s),
-            cuda.to_device(g_slot.reshape(-1), stream=s), cuda.to_device(g_cnt, stream=s), n_used, _as_i32(xq),
-            xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid,
-            grid_g, ks_g)
+        gu[((n_ff + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), mma_tiles[3].size), _MMA_WARPS * WARP, s](
+            a16, *mma_tiles, n_used, _as_i32(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
+            F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     else:
         NCH = _nch(n_embd)
         gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
                      lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
-        gu[((n_ff + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+        gu[((n_ff + _NW_MOE - 1) // _NW_MOE, tiles[3].size), _NW_MOE * WARP, s,
            _shmem_x(gate_type, T, n_embd)](
-            a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
+            a16, a32, *tiles, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
-    if mma and down_type == F.Q2_K:
-        g_off, g_tok, g_slot, g_cnt = group_tiles(ids, table, _MMA_TILE)
+    if mma_dn:
         dn = _cached(("moe_down_tiles_mma",), _moe_down_tiles_mma_kernel)
-        dn[((n_embd + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), len(g_cnt)), _MMA_WARPS * WARP, s](
-            a32, cuda.to_device(g_off.reshape(-1), stream=s), cuda.to_device(g_tok.reshape(-1), stream=s),
-            cuda.to_device(g_slot.reshape(-1), stream=s), cuda.to_device(g_cnt, stream=s), n_used, _as_i32(mq),
-            md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd, pair_out)
+        dn[((n_embd + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), mma_tiles[3].size), _MMA_WARPS * WARP, s](
+            a32, *mma_tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
+            pair_out)
     else:
         NCH = _nch(n_ff)
         dn = _cached(("moe_down_tiles", down_type, T, NCH),
                      lambda: _moe_down_tiles_kernel(down_type, T, NCH))
-        dn[((n_embd + _NW_MOE - 1) // _NW_MOE, n_tiles), _NW_MOE * WARP, s,
+        dn[((n_embd + _NW_MOE - 1) // _NW_MOE, tiles[3].size), _NW_MOE * WARP, s,
            _shmem_x(down_type, T, n_ff)](
-            a16, a32, d_off, d_tok, d_slot, d_cnt, n_used, _as_i32(mq), md, mbs, n_ff // 256,
+            a16, a32, *tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256,
             F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
     n_out = n_tok * n_embd
     _moe_sum_kernel[(n_out + 255) // 256, 256, s](pair_out, n_tok, n_used, n_embd, _flat(out))

@@ -331,14 +331,44 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
         part_dot[t, row, chunk] = total_dot
 
 
+HC_MIX_MAX = HC_MAX * (2 + HC_MAX)     # mixer rows with HC_MAX streams
+HC_SUMS = HC_GRAM + 1                  # hc_mix_tokens' double sums: the Gram pairs, then Σx²
+BLOCK_WARPS = BLOCK // 32
+
+
+@cuda.jit(device=True)
+def warp_partial(value, slots, k, scratch_tree):
+    """block_sum's first stage for value k of a block that reduces many: the warp's sum into
+    slots[k, warp] (GPU); the finish, sum_warps, adds the slots in warp order after one barrier,
+    so the total has block_sum's bits. The simulator's block_sum is a shared-memory tree instead:
+    there the value's total is taken whole (the tree, with its barriers) and kept in slot 0."""
+    if USE_SHUFFLES:
+        total = warp_sum_f32(value)
+        if cuda.threadIdx.x % 32 == 0:
+            slots[k, cuda.threadIdx.x // 32] = total
+    else:
+        total = block_sum(value, scratch_tree)
+        if cuda.threadIdx.x == 0:
+            slots[k, 0] = total
+
+
+@cuda.jit(device=True)
+def sum_warps(slots, k):
+    total = slots[k, 0]
+    if USE_SHUFFLES:
+        for w in range(1, cuda.blockDim.x // 32):
+            total += slots[k, w]
+    return total
+
+
 @cuda.jit(cache=True)
 def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
     """hc_mix_partial for a prefill chunk: block (chunk, token) writes all of the chunk's partials
-    (every mixer row, Σx², and the Gram pairs when with_gram) from one pass over its state slice.
-    hc_mix_partial's grid of (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token
-    prefill (1.8 ms per launch, ncu on the H200). Same per-thread order and the same block_sum per
-    value, so the partials equal hc_mix_partial's bit for bit (decode keeps that kernel: one token
-    needs its wider grid)."""
+    (every mixer row, Σx², and the Gram pairs when with_gram) from one pass over its state slice,
+    with one barrier for all of them. hc_mix_partial's grid of (rows + n_hc²) x chunks x tokens
+    small blocks was 18 % of a 512-token prefill (1.8 ms per launch, ncu on the H200). The same
+    per-thread order and block_sum's warp-then-warp-order sums, so the partials equal
+    hc_mix_partial's bit for bit (decode keeps that kernel: one token needs its wider grid)."""
     chunk = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -347,34 +377,37 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
-    scratch64 = cuda.shared.array(BLOCK, float64)
-    scratch32 = cuda.shared.array(BLOCK, float32)
+    dots = cuda.shared.array((HC_MIX_MAX, BLOCK_WARPS), float32)
+    sums64 = cuda.shared.array((HC_SUMS, BLOCK_WARPS), float64)
+    tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
+    tree32 = cuda.shared.array(BLOCK, float32)
     sumsq = float64(0.0)
     for j in range(tid, chunk_len, cuda.blockDim.x):
         v = state[t, stream, d0 + j]
         sumsq += float64(v) * float64(v)
-    total_sq = block_sum(sumsq, scratch64)
-    if tid == 0:
-        part_sq[t, chunk] = total_sq
+    warp_partial(sumsq, sums64, HC_GRAM, tree64)
     for row in range(n_rows):
         base = fn_off + row * n_hc * n_embd + start
         dot = float32(0.0)
         for j in range(tid, chunk_len, cuda.blockDim.x):
             dot += float32(w16[base + j]) * state[t, stream, d0 + j]
-        total_dot = block_sum(dot, scratch32)
-        if tid == 0:
-            part_dot[t, row, chunk] = total_dot
-    if with_gram:
-        span = n_embd // part_dot.shape[2]
-        for pair in range(n_hc * n_hc):
-            h_a = pair // n_hc
-            h_b = pair - h_a * n_hc
-            gram = float64(0.0)
-            for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
-                gram += float64(state[t, h_a, d]) * float64(state[t, h_b, d])
-            total_gram = block_sum(gram, scratch64)
-            if tid == 0:
-                part_gram[t, pair, chunk] = total_gram
+        warp_partial(dot, dots, row, tree32)
+    n_pairs = n_hc * n_hc if with_gram else 0
+    span = n_embd // part_dot.shape[2]
+    for pair in range(n_pairs):
+        h_a = pair // n_hc
+        h_b = pair - h_a * n_hc
+        gram = float64(0.0)
+        for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
+            gram += float64(state[t, h_a, d]) * float64(state[t, h_b, d])
+        warp_partial(gram, sums64, pair, tree64)
+    cuda.syncthreads()
+    if tid < n_rows:
+        part_dot[t, tid, chunk] = sum_warps(dots, tid)
+    elif tid < n_rows + n_pairs:
+        part_gram[t, tid - n_rows, chunk] = sum_warps(sums64, tid - n_rows)
+    elif tid == n_rows + n_pairs:
+        part_sq[t, chunk] = sum_warps(sums64, HC_GRAM)
 
 
 @cuda.jit(cache=True)

@@ -218,6 +218,9 @@ class FileArenaSource:
     def dense(self, name):
         return self.arena, self.model.file.tensors[name].offset
 
+    def experts_at_once(self):
+        return None                      # every expert lives in the arena
+
     def expert_base(self, il):
         t = self.model.file.tensors
         g, u, d = (t[f"blk.{il}.ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
