@@ -505,9 +505,9 @@ class CudaEngine:
 
     def _compressor(self, b, prefix, ratio, head_dim, freqs, pair_flat, kv_state, score_state, cache,
                     indexer_lane, pos0, ext):
-        """A compressor lane over the T tokens: token by token in one block (decode, and prefill
-        chunks too short to gain), or for a prefill chunk (pos0 known) staged, pooled one block per
-        window and carried over (compressor_chunk_*: the same rows and state)."""
+        """A compressor lane over the T tokens: in one block, token by token (decode: compressor_step),
+        or, for a prefill chunk (pos0 known on the host), staged, pooled one block per window and
+        carried over (compressor_chunk_*: the same rows and state, in parallel)."""
         s, st = self.spec, self.stream
         T = b.T
         width = (2 if ratio == 4 else 1) * head_dim
