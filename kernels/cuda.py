@@ -1691,6 +1691,14 @@ def _tiles_to_device(ids, table, T, s):
     return cuda.to_device(tile_off.reshape(-1), stream=s), ints[:n], ints[n:2 * n], ints[2 * n:]
 
 
+def _tile_launch(kernel, rows, tiles, mma, s, shmem=0):
+    """kernel configured over (row groups, tiles): the tensor-core kernels take 16 rows per warp
+    and _MMA_WARPS warps per block, the dp4a ones a row per warp and _NW_MOE warps."""
+    warps = _MMA_WARPS if mma else _NW_MOE
+    per_block = 16 * warps if mma else warps
+    return kernel[((rows + per_block - 1) // per_block, tiles[3].size), warps * WARP, s, shmem]
+
+
 def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
                 clamp, out, stream=0, mma=None):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
@@ -1717,29 +1725,27 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu:
         gu = _cached(("moe_gu_tiles_mma",), _moe_gate_up_tiles_mma_kernel)
-        gu[((n_ff + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), mma_tiles[3].size), _MMA_WARPS * WARP, s](
+        _tile_launch(gu, n_ff, mma_tiles, True, s)(
             a16, *mma_tiles, n_used, _as_i32(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     else:
         NCH = _nch(n_embd)
         gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
                      lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
-        gu[((n_ff + _NW_MOE - 1) // _NW_MOE, tiles[3].size), _NW_MOE * WARP, s,
-           _shmem_x(gate_type, T, n_embd)](
+        _tile_launch(gu, n_ff, tiles, False, s, _shmem_x(gate_type, T, n_embd))(
             a16, a32, *tiles, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
     if mma_dn:
         dn = _cached(("moe_down_tiles_mma",), _moe_down_tiles_mma_kernel)
-        dn[((n_embd + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), mma_tiles[3].size), _MMA_WARPS * WARP, s](
+        _tile_launch(dn, n_embd, mma_tiles, True, s)(
             a32, *mma_tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
             pair_out)
     else:
         NCH = _nch(n_ff)
         dn = _cached(("moe_down_tiles", down_type, T, NCH),
                      lambda: _moe_down_tiles_kernel(down_type, T, NCH))
-        dn[((n_embd + _NW_MOE - 1) // _NW_MOE, tiles[3].size), _NW_MOE * WARP, s,
-           _shmem_x(down_type, T, n_ff)](
+        _tile_launch(dn, n_embd, tiles, False, s, _shmem_x(down_type, T, n_ff))(
             a16, a32, *tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256,
             F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)
     n_out = n_tok * n_embd

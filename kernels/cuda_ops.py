@@ -1010,8 +1010,8 @@ def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_s
     base = 4 if ratio == 4 else 0
     for r in range(ratio):
         p = cur + r if cur + r <= last else cur + r - ratio
-        if p >= pos0:
-            src = n_state + p - pos0
+        if p >= pos0:                               # else the state row already holds it
+            src = chunk_row_of(p, pos0, n_state, ratio)
             kv_state[base + r, j] = ext_kv[src, j]
             score_state[base + r, j] = ext_sc[src, j]
     if ratio == 4 and cur - 1 >= pos0:              # the window before ended in the chunk
