@@ -72,6 +72,8 @@ quant = {
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
  "q8_0_rows_mma (prefill)": (lambda: qk._q8_0_mma_kernel(1, qk._Q8_0_U),
                              (u16a, i64, i64, i64, i64, i32a, f32a, i64, f32a, i64, i64, i64)),
+ "q8_0_rows_tiled (prefill)": (lambda: qk._q8_0_tiled_kernel(1, qk._Q8_0_U),
+                               (u64a, i64, i64, i64, i64, i64, i64, u64a, f32a, i64, f32a, i64)),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
                           (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
