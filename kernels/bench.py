@@ -439,22 +439,29 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
     table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
-    args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
-            X, ids, rw, 10.0, out)
-    for mma, label in ((False, ""), (True, ", gate/up on tensor cores")):
-        CK.moe_prefill(*args, mma=mma)
-        cuda.synchronize()
-        walls = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            CK.moe_prefill(*args, mma=mma)
-            cuda.synchronize()
-            walls.append(time.perf_counter() - t0)
-        wall = float(np.median(walls))
-        r = dict(name=f"MoE prefill (6 of 256 experts, grouped{label})", n_tok=n_tok, ms=wall * 1e3,
-                 tok_per_s=n_tok / wall)
-        res.append(r)
-        log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
+    saved = CK._MMA_HALVES_GU
+    try:
+        for n in (n_tok, 512):                 # 512: the engine's prefill chunk (~12 pairs per expert)
+            args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
+                    X[:n], ids[:n], rw[:n], 10.0, out[:n])
+            for mma, halves, label in ((False, 1, ""), (True, 1, ", tensor cores, 8-pair gate/up tiles"),
+                                       (True, 2, ", tensor cores, 16-pair gate/up tiles")):
+                CK._MMA_HALVES_GU = halves
+                CK.moe_prefill(*args, mma=mma)
+                cuda.synchronize()
+                walls = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    CK.moe_prefill(*args, mma=mma)
+                    cuda.synchronize()
+                    walls.append(time.perf_counter() - t0)
+                wall = float(np.median(walls))
+                r = dict(name=f"MoE prefill {n} tok (6 of 256 experts, grouped{label})", n_tok=n, ms=wall * 1e3,
+                         tok_per_s=n / wall)
+                res.append(r)
+                log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
+    finally:
+        CK._MMA_HALVES_GU = saved
     return res
 
 

@@ -1421,17 +1421,25 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     return moe_gate_up_tiles
 
 
-_MMA_TILE = 8        # (token, slot) pairs per tile in the tensor-core gate/up kernel (the MMA's N)
+_MMA_TILE = 8        # (token, slot) pairs per tile in the tensor-core down kernel (the MMA's N)
 
 
-def _moe_gate_up_tiles_mma_kernel():
+_MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 pairs decodes each
+                     # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
+
+
+def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
     """Prefill gate/up for IQ2_XXS experts on the int8 tensor cores: a warp takes 16 rows x one
-    tile of <= 8 pairs. Per super-block, 8 MMAs (one per 32-weight sub-block; the thread decodes
-    its A bytes from the grid and sign tables) give the exact integer sub-block dots; weighted by
-    the sub-block scales they make the super-block's integer sum, which meets the f32 side in the
-    decode kernel's order: lane group q = sb % 4 accumulates fma(d_w·d_x, sum) over its super-blocks,
-    then (q0 + q2) + (q1 + q3), times 1/8. So mid equals moe_decode's bit for bit."""
+    tile of <= 8·NH pairs (NH MMA column halves of 8 pairs). Per super-block, 8 x NH MMAs (one per
+    32-weight sub-block and half; the thread decodes its A bytes from the grid and sign tables once
+    for all halves) give the exact integer sub-block dots; weighted by the sub-block scales they
+    make the super-block's integer sum, which meets the f32 side in the decode kernel's order: lane
+    group q = sb % 4 accumulates fma(d_w·d_x, sum) over its super-blocks, then (q0 + q2) + (q1 +
+    q3), times 1/8. So mid equals moe_decode's bit for bit, whatever NH."""
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
+    TILE = 8 * NH
+    NACC = 32 * NH
+    NB = 4 * NH
 
     @cuda.jit
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, nsb,
@@ -1453,16 +1461,21 @@ def _moe_gate_up_tiles_mma_kernel():
             return
         r_lo = min(row0 + gid, n_ff - 1)
         r_hi = min(row0 + gid + 8, n_ff - 1)
-        base = tile * _MMA_TILE
-        tok_b = tile_tok[base + min(gid, cnt - 1)]             # B column: pair gid of the tile
-        tok_c0 = tile_tok[base + min(2 * tig, cnt - 1)]        # C columns: pairs 2 tig, 2 tig + 1
-        tok_c1 = tile_tok[base + min(2 * tig + 1, cnt - 1)]
+        base = tile * TILE
+        halves = (cnt + 7) >> 3                                # column halves holding pairs
+        tok_b = cuda.local.array(NH, int64)                    # B column of half h: pair 8h + gid
+        tok_c0 = cuda.local.array(NH, int64)                   # C columns: pairs 8h + 2 tig (+ 1)
+        tok_c1 = cuda.local.array(NH, int64)
+        for h in range(NH):
+            tok_b[h] = tile_tok[base + min(8 * h + gid, cnt - 1)]
+            tok_c0[h] = tile_tok[base + min(8 * h + 2 * tig, cnt - 1)]
+            tok_c1[h] = tile_tok[base + min(8 * h + 2 * tig + 1, cnt - 1)]
         words = 64 * nsb                                       # int32 words per token of xq
         half = tig & 1
-        acc = cuda.local.array(32, float32)                    # [gate/up][q][lo c0, lo c1, hi c0, hi c1]
-        for e in range(32):
+        acc = cuda.local.array(NACC, float32)                  # [h][gate/up][q][lo c0, lo c1, hi c0, hi c1]
+        for e in range(NACC):
             acc[e] = float32(0.0)
-        bsum = cuda.local.array(4, int32)
+        bsum = cuda.local.array(NB, int32)
         for sb0 in range(0, nsb, 4):
             for q in range(4):                     # q = sb % 4: constant accumulator indices
                 sb = sb0 + q
@@ -1471,7 +1484,7 @@ def _moe_gate_up_tiles_mma_kernel():
                 for m in range(2):                 # gate, up
                     h_lo = (tile_off[tile * 3 + m] + r_lo * rb) // 2 + 33 * sb
                     h_hi = (tile_off[tile * 3 + m] + r_hi * rb) // 2 + 33 * sb
-                    for e in range(4):
+                    for e in range(NB):
                         bsum[e] = int32(0)
                     for j in range(8):
                         aux0_lo = _u16pair(a16, h_lo + 1 + 4 * j)
@@ -1484,32 +1497,37 @@ def _moe_gate_up_tiles_mma_kernel():
                         a1 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, tig >> 1, half)
                         a2 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, 2 + (tig >> 1), half)
                         a3 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, 2 + (tig >> 1), half)
-                        xw = tok_b * words + 64 * sb + 8 * j + tig
-                        c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, xq32[_ix(xw)], xq32[_ix(xw + 4)])
                         ls_lo = imad(bfe(aux1_lo, 28, 4), 2, 1)
                         ls_hi = imad(bfe(aux1_hi, 28, 4), 2, 1)
-                        bsum[0] = imad(c0, ls_lo, bsum[0])
-                        bsum[1] = imad(c1, ls_lo, bsum[1])
-                        bsum[2] = imad(c2, ls_hi, bsum[2])
-                        bsum[3] = imad(c3, ls_hi, bsum[3])
+                        for h in range(NH):
+                            if h < halves:                 # warp-uniform
+                                xw = tok_b[h] * words + 64 * sb + 8 * j + tig
+                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, xq32[_ix(xw)], xq32[_ix(xw + 4)])
+                                bsum[4 * h] = imad(c0, ls_lo, bsum[4 * h])
+                                bsum[4 * h + 1] = imad(c1, ls_lo, bsum[4 * h + 1])
+                                bsum[4 * h + 2] = imad(c2, ls_hi, bsum[4 * h + 2])
+                                bsum[4 * h + 3] = imad(c3, ls_hi, bsum[4 * h + 3])
                     dw_lo = f16_bits_to_f32(a16[_ix(h_lo)])
                     dw_hi = f16_bits_to_f32(a16[_ix(h_hi)])
-                    xd0 = xd[_ix(tok_c0 * nsb + sb)]
-                    xd1 = xd[_ix(tok_c1 * nsb + sb)]
-                    e = 16 * m + 4 * q
-                    acc[e] = cuda.fma(dw_lo * xd0, float32(bsum[0]), acc[e])
-                    acc[e + 1] = cuda.fma(dw_lo * xd1, float32(bsum[1]), acc[e + 1])
-                    acc[e + 2] = cuda.fma(dw_hi * xd0, float32(bsum[2]), acc[e + 2])
-                    acc[e + 3] = cuda.fma(dw_hi * xd1, float32(bsum[3]), acc[e + 3])
+                    for h in range(NH):
+                        xd0 = xd[_ix(tok_c0[h] * nsb + sb)]
+                        xd1 = xd[_ix(tok_c1[h] * nsb + sb)]
+                        e = 32 * h + 16 * m + 4 * q
+                        acc[e] = cuda.fma(dw_lo * xd0, float32(bsum[4 * h]), acc[e])
+                        acc[e + 1] = cuda.fma(dw_lo * xd1, float32(bsum[4 * h + 1]), acc[e + 1])
+                        acc[e + 2] = cuda.fma(dw_hi * xd0, float32(bsum[4 * h + 2]), acc[e + 2])
+                        acc[e + 3] = cuda.fma(dw_hi * xd1, float32(bsum[4 * h + 3]), acc[e + 3])
         c32 = float32(clamp)
-        for k in range(4):
-            row = row0 + gid + 8 * (k >> 1)
-            col = 2 * tig + (k & 1)
-            if row < n_ff and col < cnt:
-                g = scale * ((acc[k] + acc[8 + k]) + (acc[4 + k] + acc[12 + k]))
-                u = scale * ((acc[16 + k] + acc[24 + k]) + (acc[20 + k] + acc[28 + k]))
-                pair = tile_tok[base + col] * n_used + tile_slot[base + col]
-                mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
+        for h in range(NH):
+            for k in range(4):
+                row = row0 + gid + 8 * (k >> 1)
+                col = 8 * h + 2 * tig + (k & 1)
+                if row < n_ff and col < cnt:
+                    o = 32 * h
+                    g = scale * ((acc[o + k] + acc[o + 8 + k]) + (acc[o + 4 + k] + acc[o + 12 + k]))
+                    u = scale * ((acc[o + 16 + k] + acc[o + 24 + k]) + (acc[o + 20 + k] + acc[o + 28 + k]))
+                    pair = tile_tok[base + col] * n_used + tile_slot[base + col]
+                    mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
 
     return moe_gate_up_tiles_mma
 
@@ -1884,15 +1902,16 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     mma_gu, mma_dn = mma and gate_type == F.IQ2_XXS, mma and down_type == F.Q2_K
     # the tile lists each kernel kind needs (grouped and copied once per call)
     tiles = _tiles_to_device(ids, table, T, s) if not (mma_gu and mma_dn) else None
-    mma_tiles = _tiles_to_device(ids, table, _MMA_TILE, s) if mma_gu or mma_dn else None
+    gu_tiles = _tiles_to_device(ids, table, 8 * _MMA_HALVES_GU, s) if mma_gu else None
+    mma_tiles = _tiles_to_device(ids, table, _MMA_TILE, s) if mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu:
-        gu = _cached(("moe_gu_tiles_mma",), _moe_gate_up_tiles_mma_kernel)
-        _tile_launch(gu, n_ff, mma_tiles, True, s)(
-            a16, *mma_tiles, n_used, _as_i32(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
+        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
+        _tile_launch(gu, n_ff, gu_tiles, True, s)(
+            a16, *gu_tiles, n_used, _as_i32(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     else:
         NCH = _nch(n_embd)

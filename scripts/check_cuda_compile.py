@@ -79,7 +79,9 @@ quant = {
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
- "moe_gate_up_tiles_mma IQ2_XXS": (qk._moe_gate_up_tiles_mma_kernel,
+ "moe_gate_up_tiles_mma IQ2_XXS (8-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(1),
+                                   (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
+ "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2),
                                    (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
 }
 
