@@ -508,10 +508,10 @@ _TILE_WARPS = 8          # one warp per block of the step (lane group g of the d
 _STEP_W = 68             # u32 words per row of a step in shared memory: 272 bytes (A) or 256 + 16
                          # padding (B); 68 = 4 (mod 32) keeps the fragment reads conflict-free
 _TILE_NE = 64            # f32 results per thread: 4 x 4 MMAs x 4
-_TILE_REGS = 128         # two blocks per SM (168 without a cap)
+_TILE_REGS = 128         # register cap: two blocks per SM (168 without a cap; 0: none)
 
 
-def _q8_0_tiled_kernel(S, U):
+def _q8_0_tiled_kernel(S, U, max_regs=0):
     NW = _TILE_WARPS
     A_U64 = _TILE_ROWS * 34           # u64 words of the weight tile (272 bytes per row)
     B_U64 = _TILE_TOK * 32            # u64 words of the activation tile (256 bytes per token)
@@ -549,7 +549,9 @@ def _q8_0_tiled_kernel(S, U):
                     o = _ix(tok * out_ld + row)
                     out[o] = acc[e] if w == 0 else out[o] + acc[e]   # warp order of split-K
 
-    @cuda.jit(max_registers=_TILE_REGS)
+    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+
+    @jit
     def q8_0_rows_tiled(a64, row0_a, row0_b, row_u64, rows, rows_a, nb, xq64, xd, n_tok, out, out_ld):
         s_a = cuda.shared.array(SA, uint32)
         s_b = cuda.shared.array(SB, uint32)
@@ -718,7 +720,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
     if mma and _USE_TILED and _tiled_ok(parts, nb, xq):
-        kernel = _cached(("q8_0_tiled", S, U), lambda: _q8_0_tiled_kernel(S, U))
+        kernel = _cached(("q8_0_tiled", S, U, _TILE_REGS), lambda: _q8_0_tiled_kernel(S, U, _TILE_REGS))
         grid = ((rows + _TILE_ROWS - 1) // _TILE_ROWS, (n_tok + _TILE_TOK - 1) // _TILE_TOK)
         row_u64 = 34 * nb // 8
         kernel[grid, _TILE_WARPS * WARP, _stream(stream)](

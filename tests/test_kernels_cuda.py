@@ -172,8 +172,9 @@ def test_matmul_rows_equal_matvec(t, rows):
 
 # (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
 # tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset
+# (offsets % 8 == 0 with nb % 8 == 0 take the shared-memory tiled kernel, the others the global one)
 MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200, 256, 33, 0),
-             (64, 96, 17, 0), (1024, 4096, 64, 0)]
+             (64, 96, 17, 0), (1024, 4096, 64, 0), (300, 8192, 45, 0), (70, 2048, 100, 4)]
 
 
 @pytest.mark.parametrize("rows,Kd,n_tok,extra", MMA_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in MMA_CASES])
@@ -194,6 +195,26 @@ def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra):
     for i in (0, n_tok // 2, n_tok - 1):
         y1 = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, X[i:i + 1], single=True)[0]
         assert np.array_equal(got[i], y1), f"token {i}"
+
+
+@pytest.mark.parametrize("rows_a,rows_b", [(1024, 512), (100, 37)])
+def test_q8_0_mma_pair_matches_matvec_pair(rows_a, rows_b):
+    """Two matrices in one tensor-core launch (a tile may straddle them) equal the matvec pair."""
+    rng = _rng(70 + rows_a)
+    Kd, n_tok = 4096, 40
+    wa = TD.random_weights(F.Q8_0, (rows_a, Kd), rng)
+    wb = TD.random_weights(F.Q8_0, (rows_b, Kd), rng)
+    arena, (off_a, off_b) = _arena([wa, wb])
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    xq, xd, _, _ = _prepare(F.Q8_0, X)
+    out = cuda.device_array((n_tok, rows_a + rows_b), np.float32)
+    K.matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, Kd, n_tok, xq, xd, out)
+    got = out.copy_to_host()
+    for i in (0, 17, n_tok - 1):
+        xq1, xd1, _, _ = _prepare(F.Q8_0, X[i:i + 1])
+        one = cuda.device_array(rows_a + rows_b, np.float32)
+        K.matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, Kd, xq1, xd1, one)
+        assert np.array_equal(got[i].view(np.uint32), one.copy_to_host().view(np.uint32)), f"token {i}"
 
 
 # ---------------------------------------------------------------------------------------- MoE
