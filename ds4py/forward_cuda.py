@@ -173,8 +173,8 @@ class CudaEngine:
     Decode is one captured graph per step (T = 1 buffers). Prefill with experts resident in the
     arena (device / host-mapped sources) is batched: chunks of up to `prefill_chunk` tokens go
     through the model layer by layer, the projections as matmuls, the per-token kernels with one
-    block row per token, the routed experts through moe_prefill (one host sync per layer for the
-    expert ids), and the output head on the last prompt token only. Sources that page experts
+    block row per token, the routed experts through moe_prefill (tokens grouped by expert on the
+    device), and the output head on the last prompt token only. Sources that page experts
     through a VRAM expert cache (`experts_resident` False) fetch each layer's chunk experts first."""
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
@@ -225,6 +225,7 @@ class CudaEngine:
         self.expert_bases = [cuda.to_device(np.asarray(tuple(source.expert_base(il)), dtype=np.int64))
                              if self.experts_resident else None for il in range(s.n_layer)]
         self._expert_tables = {}
+        self._expert_tables_dev = {}
         self._n_past = 0
         self._forbid = -1
         self.skip: set[str] = set()
@@ -560,9 +561,9 @@ class CudaEngine:
             s.expert_weights_scale, self.expert_bases[il] if self.expert_bases[il] is not None
             else self._zero_bases, b.expert_ids, b.route_w, b.slot_offsets)
 
-    def _ffn_experts(self, b, il: int, expert_ids_host=None):
-        """Routed experts (decode: moe_decode on the device-side slot offsets; prefill: moe_prefill
-        with the ids on the host), then HC post once the shared expert (side stream) is joined."""
+    def _ffn_experts(self, b, il: int, prefill: bool = False):
+        """Routed experts (decode: moe_decode on the device-side slot offsets; prefill: moe_prefill,
+        tokens grouped by expert), then HC post once the shared expert (side stream) is joined."""
         s, st = self.spec, self.stream
         p = f"blk.{il}."
         clamp = s.swiglu_clamp[il]
@@ -570,27 +571,34 @@ class CudaEngine:
         gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
         down_type = self.info(p + "ffn_down_exps.weight").ggml_type
         if self._on("moe"):
-            if expert_ids_host is None:       # its input was quantized in _ffn_route
+            if not prefill:                   # its input was quantized in _ffn_route
                 self._join("aux")
                 qk.moe_decode_experts(arena, b.slot_offsets[0], gate_type, down_type, b.route_w[0], clamp,
                                       b.moe_out[0], b.moe_work, st)
             else:
-                qk.moe_prefill(arena, self._prefill_expert_table(il, expert_ids_host), gate_type, down_type,
-                               s.n_embd, s.n_ff, b.x, expert_ids_host, b.route_w, clamp, b.moe_out, st)
+                ids, table = self._prefill_experts(b, il)
+                qk.moe_prefill(arena, table, gate_type, down_type, s.n_embd, s.n_ff, b.x, ids, b.route_w, clamp,
+                               b.moe_out, st)
         self._join()
         if self._on("hc"):
             self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
 
-    def _prefill_expert_table(self, il: int, expert_ids) -> np.ndarray:
-        """Byte offsets (gate, up, down) per expert for moe_prefill: the arena's table with resident
-        experts; with an expert cache, the chunk's experts are made resident first (the rows of
-        the others stay 0 and are never read)."""
+    def _prefill_experts(self, b, il: int):
+        """(expert ids, offset table) for moe_prefill. Resident experts: both stay on the device
+        (moe_prefill groups the tokens there; no host sync). With an expert cache the host reads
+        the chunk's ids and makes those experts resident first (the table rows of the others stay
+        0 and are never read)."""
         if self.experts_resident:
-            return self.expert_table(il)
-        used = np.unique(np.asarray(expert_ids))
+            table = self._expert_tables_dev.get(il)
+            if table is None:
+                table = self._expert_tables_dev[il] = cuda.to_device(self.expert_table(il), stream=self.stream)
+            return b.expert_ids, table
+        ids = b.expert_ids.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        used = np.unique(ids)
         table = np.zeros((self.spec.n_exp, 3), np.int64)
         table[used] = self.source.fetch_experts(il, used, stream=self.stream)
-        return table
+        return ids, table
 
     def _prefill_chunk_limit(self) -> int:
         """Most tokens per prefill chunk: with an expert cache smaller than a layer's experts, few
@@ -748,8 +756,9 @@ class CudaEngine:
     def prefill_batched(self, tokens, chunk: int | None = None) -> np.ndarray:
         """Chunks of up to `chunk` (<= prefill_chunk) tokens, each through the model layer by layer
         with the same kernels as decode (T tokens per launch); the output head runs for the last
-        prompt token only. Launched eagerly (few launches per chunk); one host sync per layer reads
-        the chunk's expert ids for moe_prefill (and for the expert cache's fetch)."""
+        prompt token only. Launched eagerly (few launches per chunk); with resident experts no host
+        sync until the logits (moe_prefill groups the tokens on the device), with an expert cache one
+        per layer (the chunk's expert ids, for the fetch)."""
         limit = self._prefill_chunk_limit()
         P = min(chunk or limit, limit)
         if self._prefill_scratch is None:
@@ -767,9 +776,7 @@ class CudaEngine:
             for il in range(s.n_layer):
                 self._attention(b, il, pos0)
                 self._ffn_route(b, il)
-                ids = b.expert_ids.copy_to_host(stream=st)
-                st.synchronize()
-                self._ffn_experts(b, il, ids)
+                self._ffn_experts(b, il, prefill=True)
             self._n_past += T
         self._head(b)
         logits = b.logits.copy_to_host(stream=st)

@@ -1877,6 +1877,84 @@ def _tiles_to_device(ids, table, T, s):
     return cuda.to_device(tile_off.reshape(-1), stream=s), ints[:n], ints[n:2 * n], ints[2 * n:]
 
 
+# ---- the same grouping on the device (resident experts: no host sync per layer) -------------------
+
+_GROUP_MAX_EXP = 1024      # experts per layer the one-block grouping kernel can count
+_GROUP_THREADS = 1024
+
+
+@cuda.jit
+def _group_tiles_kernel(ids, n_pairs, n_used, n_exp, table, T, rank, tile_off, tile_tok, tile_slot, tile_cnt):
+    """group_tiles in one block: pairs counted per expert with shared-memory atomics (the count
+    before a pair's increment is its rank in the expert's group), tiles numbered by expert, then
+    every pair written into its tile. The order inside a group follows the atomics, not the
+    tokens: each pair's numbers are computed on their own and summed per token in slot order
+    (_moe_sum_kernel), so the outputs do not depend on it. Tiles past the used ones get count 0
+    (the tile kernels return at once)."""
+    count = cuda.shared.array(_GROUP_MAX_EXP, int32)
+    first = cuda.shared.array(_GROUP_MAX_EXP, int32)
+    used = cuda.shared.array(1, int32)
+    tid = cuda.threadIdx.x
+    nthr = cuda.blockDim.x
+    for e in range(tid, n_exp, nthr):
+        count[e] = 0
+    cuda.syncthreads()
+    for p in range(tid, n_pairs, nthr):
+        rank[p] = cuda.atomic.add(count, ids[p], 1)
+    cuda.syncthreads()
+    if tid == 0:                     # n_exp tile counts: a serial scan is a few microseconds
+        total = 0
+        for e in range(n_exp):
+            first[e] = total
+            total += (count[e] + T - 1) // T
+        used[0] = total
+    cuda.syncthreads()
+    for p in range(tid, n_pairs, nthr):
+        r = rank[p]
+        k = r // T
+        t = first[ids[p]] + k
+        tok = p // n_used
+        tile_tok[t * T + r - k * T] = tok
+        tile_slot[t * T + r - k * T] = p - tok * n_used
+    for e in range(tid, n_exp, nthr):
+        c = count[e]
+        for k in range((c + T - 1) // T):
+            t = first[e] + k
+            m = min(T, c - k * T)
+            tile_cnt[t] = m
+            for i in range(3):
+                tile_off[t * 3 + i] = table[e, i]
+            for j in range(m, T):
+                tile_tok[t * T + j] = 0
+                tile_slot[t * T + j] = 0
+    for t in range(used[0] + tid, tile_cnt.size, nthr):
+        tile_cnt[t] = 0
+
+
+_DEVICE_TILES = {}
+
+
+def _tiles_on_device(ids, table, T, s):
+    """group_tiles for device ids int32[n_tok, n_used] and a device table int64[n_exp, 3]: the
+    same four arrays, sized for the most tiles any grouping can need (n_pairs / T + one partial
+    tile per expert), kept between calls (calls on one stream run in order)."""
+    n_pairs = ids.size
+    n_exp = table.shape[0]
+    if n_exp > _GROUP_MAX_EXP:
+        raise ValueError(f"moe_prefill: {n_exp} experts; the device grouping counts at most {_GROUP_MAX_EXP}")
+    max_tiles = n_pairs // T + min(n_exp, n_pairs) + 1
+    held = _DEVICE_TILES.get(T)
+    if held is None or held[0] < max_tiles or held[1].size < n_pairs:
+        held = _DEVICE_TILES[T] = (max_tiles, cuda.device_array(n_pairs, np.int32),
+                                   cuda.device_array(max_tiles * 3, np.int64),
+                                   cuda.device_array(max_tiles * (2 * T + 1), np.int32))
+    _, rank, offs, ints = held
+    n = max_tiles * T
+    tiles = (offs[:max_tiles * 3], ints[:n], ints[n:2 * n], ints[2 * n:2 * n + max_tiles])
+    _group_tiles_kernel[1, _GROUP_THREADS, s](_flat(ids), n_pairs, ids.shape[1], n_exp, table, T, rank, *tiles)
+    return tiles
+
+
 def _tile_launch(kernel, rows, tiles, mma, s, shmem=0):
     """kernel configured over (row groups, tiles): the tensor-core kernels take 16 rows per warp
     and _MMA_WARPS warps per block, the dp4a ones a row per warp and _NW_MOE warps."""
@@ -1889,23 +1967,31 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
                 clamp, out, stream=0, mma=None):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
 
-    expert_table: host int64[n_exp, 3] byte offsets (gate, up, down) of every expert in arena;
-    X: device f32[n_tok, n_embd]; expert_ids: HOST int32[n_tok, n_used]; route_w: device
-    f32[n_tok, n_used]; out: device f32[n_tok, n_embd]. Allocates its scratch (not for graphs).
+    expert_table: int64[n_exp, 3] byte offsets (gate, up, down) of every expert in arena;
+    X: device f32[n_tok, n_embd]; expert_ids: int32[n_tok, n_used]; route_w: device
+    f32[n_tok, n_used]; out: device f32[n_tok, n_embd]. With expert_ids and expert_table on the
+    host the tokens are grouped on the host; with both on the device, on the device (no sync).
+    Allocates its scratch on first use (not for graphs).
     """
     _check_moe_types(gate_type, down_type)
-    ids = np.ascontiguousarray(expert_ids, dtype=np.int32)
+    on_device = cuda.is_cuda_array(expert_ids)
+    if on_device != cuda.is_cuda_array(expert_table):
+        raise ValueError("moe_prefill: expert_ids and expert_table must be both on the host or both on the device")
+    if on_device:
+        ids, table, group = expert_ids, expert_table, _tiles_on_device
+    else:
+        ids = np.ascontiguousarray(expert_ids, dtype=np.int32)
+        table, group = np.asarray(expert_table, dtype=np.int64), _tiles_to_device
     n_tok, n_used = ids.shape
-    table = np.asarray(expert_table, dtype=np.int64)
     T = _T_MOE_PREFILL
     s = _stream(stream)
     if mma is None:
         mma = _USE_MMA
     mma_gu, mma_dn = mma and gate_type == F.IQ2_XXS, mma and down_type == F.Q2_K
-    # the tile lists each kernel kind needs (grouped and copied once per call)
-    tiles = _tiles_to_device(ids, table, T, s) if not (mma_gu and mma_dn) else None
-    gu_tiles = _tiles_to_device(ids, table, 8 * _MMA_HALVES_GU, s) if mma_gu else None
-    mma_tiles = _tiles_to_device(ids, table, _MMA_TILE, s) if mma_dn else None
+    # the tile lists each kernel kind needs (grouped once per call)
+    tiles = group(ids, table, T, s) if not (mma_gu and mma_dn) else None
+    gu_tiles = group(ids, table, 8 * _MMA_HALVES_GU, s) if mma_gu else None
+    mma_tiles = group(ids, table, _MMA_TILE, s) if mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()

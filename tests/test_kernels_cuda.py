@@ -268,8 +268,9 @@ def test_moe_decode_matches_cpu(experts, clamp):
     assert np.array_equal(y, y2)
 
 
+@pytest.mark.parametrize("grouping", ["host", "device"])
 @pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "tensor-cores"])
-def test_moe_prefill_tokens_equal_decode(experts, mma):
+def test_moe_prefill_tokens_equal_decode(experts, mma, grouping):
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -277,8 +278,11 @@ def test_moe_prefill_tokens_equal_decode(experts, mma):
     ids[:, 0] = 3                              # one expert shared by every token (> 1 tile of 4 or 8)
     rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
     out = cuda.device_array((n_tok, N_EMBD), np.float32)
-    K.moe_prefill(experts["arena"], experts["table"], F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF,
-                  cuda.to_device(X), ids, cuda.to_device(rw), 10.0, out, mma=mma)
+    out.copy_to_device(np.full((n_tok, N_EMBD), np.nan, np.float32))
+    on_device = grouping == "device"          # ids and table on the device: grouped by a kernel
+    K.moe_prefill(experts["arena"], cuda.to_device(experts["table"]) if on_device else experts["table"],
+                  F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF, cuda.to_device(X), cuda.to_device(ids) if on_device else ids,
+                  cuda.to_device(rw), 10.0, out, mma=mma)
     Y = out.copy_to_host()
     ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
     for t in range(n_tok):
