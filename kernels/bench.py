@@ -420,27 +420,32 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                  TOPS=tops)
         res.append(r)
         log(f"  matmul {name:37s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s {tops:6.2f} TOPS")
-    # the Q8_0 matmul on the int8 tensor cores (same numbers as the dp4a kernel above): the
-    # fragments-from-global kernel, and the shared-memory tiled one with and without a register cap
+    # the Q8_0 matmul on the int8 tensor cores (same numbers as the dp4a kernel above), also at the
+    # engine's 512-token chunk
     from . import cuda as CK
-    saved = (CK._USE_TILED, CK._TILE_REGS)
-    try:
-        for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, n_tok), ("Q8_0 1024->32768", 32768, 1024, n_tok),
-                                 ("Q8_0 4096->1536", 1536, 4096, 512), ("Q8_0 1024->32768", 32768, 1024, 512)):
-            arena = Arena(rows * F.row_bytes(F.Q8_0, K) + 4096, seed=3)
-            off = arena.place(F.Q8_0, rows, K)
-            act = _Act(F.Q8_0, n, K, rng)
-            out = cuda.device_array((n, rows), np.float32)
-            for tiled, regs, how in ((False, 0, "MMA"), (True, 0, "MMA tiled"), (True, 128, "MMA tiled r128")):
-                CK._USE_TILED, CK._TILE_REGS = tiled, regs
-                ms = timer.time_eager(lambda s: CK.matmul_q8_0_mma(arena.buf, off, rows, K, n, act.xq, act.xd, out, s))
-                tops = 2 * n * rows * K / (ms * 1e-3) / 1e12
-                label = f"{name} x{n}, {how}"
-                r = dict(name=f"matmul {label}", n_tok=n, ms=ms, tok_per_s=n / (ms * 1e-3), TOPS=tops)
-                res.append(r)
-                log(f"  matmul {label:37s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s {tops:6.2f} TOPS")
-    finally:
-        CK._USE_TILED, CK._TILE_REGS = saved
+    for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, n_tok), ("Q8_0 1024->32768", 32768, 1024, n_tok),
+                             ("Q8_0 4096->1536", 1536, 4096, 512), ("Q8_0 1024->32768", 32768, 1024, 512)):
+        arena = Arena(rows * F.row_bytes(F.Q8_0, K) + 4096, seed=3)
+        off = arena.place(F.Q8_0, rows, K)
+        act = _Act(F.Q8_0, n, K, rng)
+        out = cuda.device_array((n, rows), np.float32)
+        ms = timer.time_eager(lambda s: CK.matmul_q8_0_mma(arena.buf, off, rows, K, n, act.xq, act.xd, out, s))
+        tops = 2 * n * rows * K / (ms * 1e-3) / 1e12
+        label = f"{name} x{n}, tensor cores"
+        r = dict(name=f"matmul {label}", n_tok=n, ms=ms, tok_per_s=n / (ms * 1e-3), TOPS=tops)
+        res.append(r)
+        log(f"  matmul {label:37s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s {tops:6.2f} TOPS")
+    # the F16 matmul at the engine's chunk (router 4096->256, compressor pair 4096->1024)
+    for name, rows, K in (("F16 4096->256", 256, 4096), ("F16 4096->1024", 1024, 4096)):
+        arena = Arena(rows * F.row_bytes(F.F16, K) + 4096, seed=3)
+        off = arena.place(F.F16, rows, K)
+        act = _Act(F.F16, 512, K, rng)
+        out = cuda.device_array((512, rows), np.float32)
+        ms = timer.time_eager(lambda s: _launch_matmul(F.F16, arena.buf, off, rows, K, 512, act, out, s))
+        tflops = 2 * 512 * rows * K / (ms * 1e-3) / 1e12
+        r = dict(name=f"matmul {name} x512", n_tok=512, ms=ms, tok_per_s=512 / (ms * 1e-3), TFLOPS=tflops)
+        res.append(r)
+        log(f"  matmul {name + ' x512':37s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s {tflops:6.2f} TFLOPS")
     # routed MoE prefill: tokens grouped by expert (host grouping + kernels, wall clock)
     X = cuda.to_device(rng.standard_normal((n_tok, moe["n_embd"])).astype(np.float32))
     ids = np.stack([rng.choice(moe["n_exp"], 6, replace=False) for _ in range(n_tok)]).astype(np.int32)

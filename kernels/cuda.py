@@ -29,7 +29,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, funnel_r, imad, mma_s8, negate_bytes
+from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -219,16 +219,6 @@ def _arena_views(arena):
     return views
 
 
-def _arena_u64(arena):
-    """uint64 view of the arena (for 8-byte aligned tiles); cached like _arena_views."""
-    a = _arena_views(arena)[2]
-    key = ("u64", a.__cuda_array_interface__["data"][0], a.size)
-    view = _VIEW_CACHE.get(key)
-    if view is None:
-        view = _VIEW_CACHE[key] = a[: a.size // 8 * 8].view(np.uint64)
-    return view
-
-
 def _as_i32(a):
     """int32 view of an int8 device array (size % 4 == 0, base 4-aligned as allocations are)."""
     return _flat(a).view(np.int32)
@@ -407,7 +397,6 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
 _MMA_WARPS = 4       # warps per block, 16 rows each
 _MMA_NT = 4          # MMAs of 8 tokens per warp tile (32 tokens)
 _MMA_MIN_TOKENS = 16  # fewer tokens: the dp4a kernel (the MMA tile would be mostly padding)
-_USE_TILED = True     # the shared-memory tiled form where the alignment allows (_tiled_ok)
 _USE_MMA = True       # the engine's prefill matmuls (test_q8_0_mma_matches_matvec passed on the
                       # H200; 4096->2048 x 2048 tokens: 5.18 ms dp4a -> 1.29 ms)
 
@@ -489,177 +478,32 @@ def _q8_0_mma_kernel(S, U):
     return q8_0_rows_mma
 
 
-# ---- the same matmul through shared-memory tiles (prefill; aligned shapes) --------------------
-#
-# The kernel above reads its A fragments from global memory as u16 pairs, and each of its warps
-# loads the same activations again: it ran at 30-40 TOPS (ncu, H200). Here a block of 8 warps
-# takes 64 rows x 32 tokens and walks K one step of 8 blocks (256 values) at a time: all threads
-# copy the step's weights (64 x 272 bytes) and activations (32 x 256 bytes + scales) into shared
-# memory with 8-byte loads, then warp g computes the 16 MMAs of block g of the step. So each
-# warp owns one lane group g of the dp4a order, and walks its blocks in the same order (steps of
-# warp-split w in the round-robin chunk order); after the steps of w the 8 warps meet in the
-# butterfly ((g0 + g4) + (g2 + g6)) + ((g1 + g5) + (g3 + g7)) through shared memory, and warp 0
-# adds the sum to `out` in warp order: the dp4a kernels' bits again. Needs 8-byte aligned rows
-# and steps: offsets % 8 == 0 and nb % 8 == 0 (every Flash matrix; the kernel above does the rest).
-
-_TILE_ROWS = 64          # rows per block (4 m16 tiles per warp)
-_TILE_TOK = 32           # tokens per block (4 n8 tiles per warp)
-_TILE_WARPS = 8          # one warp per block of the step (lane group g of the dp4a order)
-_STEP_W = 68             # u32 words per row of a step in shared memory: 272 bytes (A) or 256 + 16
-                         # padding (B); 68 = 4 (mod 32) keeps the fragment reads conflict-free
-_TILE_NE = 64            # f32 results per thread: 4 x 4 MMAs x 4
-_TILE_REGS = 128         # register cap: two blocks per SM (168 without a cap; 0: none)
+_F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 
 
-def _q8_0_tiled_kernel(S, U, max_regs=0):
-    NW = _TILE_WARPS
-    A_U64 = _TILE_ROWS * 34           # u64 words of the weight tile (272 bytes per row)
-    B_U64 = _TILE_TOK * 32            # u64 words of the activation tile (256 bytes per token)
-    HALF = _TILE_NE // 2
-    SA, SB, SX, SC = _TILE_ROWS * _STEP_W, _TILE_TOK * _STEP_W, _TILE_TOK * 9, 4 * HALF * 32
+def _f16_kernel(S, T, R=1):
+    """F16 x f32: a lane takes one pair of weights (one uint32) per step of each of the warp's R
+    rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
+    steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
+    only changes how often an activation is loaded: once per R rows."""
+    RPB = _NW_DENSE // S   # row groups per block
+    RT = R * T
+    finish = _make_finish(S, T)
 
     @cuda.jit(device=True, forceinline=True)
-    def meet(acc, comb, warp, lane, src_lo, n_src, h):
-        """Warps src_lo .. src_lo + n_src - 1 hand their half h over; warps 0 .. n_src - 1 add it."""
-        cuda.syncthreads()
-        if warp >= src_lo and warp < src_lo + n_src:
-            for i in range(HALF):
-                comb[((warp - src_lo) * HALF + i) * 32 + lane] = acc[h * HALF + i]
-        cuda.syncthreads()
-        if warp < n_src:
-            for i in range(HALF):
-                acc[h * HALF + i] = acc[h * HALF + i] + comb[(warp * HALF + i) * 32 + lane]
-
-    @cuda.jit(device=True, forceinline=True)
-    def finish_half(acc, comb, warp, lane, gid, tig, h, row0, tok0, rows, n_tok, w, out, out_ld):
-        """The butterfly over the 8 warps for half h of the results (a literal: the indices of
-        acc must be constants, or numba keeps acc in local memory), then warp 0 adds them to out."""
-        meet(acc, comb, warp, lane, 4, 4, h)                   # g + (g + 4)
-        meet(acc, comb, warp, lane, 2, 2, h)                   # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
-        meet(acc, comb, warp, lane, 1, 1, h)                   # left + right
-        if warp == 0:
-            for i in range(HALF):
-                e = h * HALF + i
-                mt = e >> 4
-                nt = (e >> 2) & 3
-                k = e & 3
-                row = row0 + 16 * mt + gid + 8 * (k >> 1)
-                tok = tok0 + 8 * nt + 2 * tig + (k & 1)
-                if row < rows and tok < n_tok:
-                    o = _ix(tok * out_ld + row)
-                    out[o] = acc[e] if w == 0 else out[o] + acc[e]   # warp order of split-K
-
-    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
-
-    @jit
-    def q8_0_rows_tiled(a64, row0_a, row0_b, row_u64, rows, rows_a, nb, xq64, xd, n_tok, out, out_ld):
-        s_a = cuda.shared.array(SA, uint32)
-        s_b = cuda.shared.array(SB, uint32)
-        s_x = cuda.shared.array(SX, float32)                   # stride 9: conflict-free scale reads
-        comb = cuda.shared.array(SC, float32)
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
-        g = warp                                               # the block of each step this warp takes
-        row0 = cuda.blockIdx.x * _TILE_ROWS
-        tok0 = cuda.blockIdx.y * _TILE_TOK
-        # block g of a step starts at byte 34g of the row's 272: its quants 2 bytes later
-        q_word = (34 * g + 2) >> 2
-        q_shift = ((34 * g + 2) & 3) * 8                       # 0 or 16
-        d_word = (34 * g) >> 2
-        d_shift = ((34 * g) & 3) * 8
-        nsteps = nb >> 3
-        nchunks = (nsteps + U - 1) // U
-        x_u64 = nb * 4                                         # u64 words per token of xq
-        acc = cuda.local.array(_TILE_NE, float32)
-        bfr = cuda.local.array(8, uint32)
-        xs = cuda.local.array(8, float32)
-        for w in range(S):
-            for e in range(_TILE_NE):
-                acc[e] = float32(0.0)
-            for c in range(w, nchunks, S):
-                for u in range(U):
-                    st = c * U + u
-                    if st < nsteps:                            # block-uniform
-                        cuda.syncthreads()                     # the last step's readers are done
-                        for f in range(tid, A_U64, NW * 32):
-                            r = f // 34
-                            j = f - 34 * r
-                            row = min(row0 + r, rows - 1)      # a short last tile repeats a row
-                            base = row0_a + row * row_u64 if row < rows_a else row0_b + (row - rows_a) * row_u64
-                            v = a64[_ix(base + 34 * st + j)]
-                            s_a[r * _STEP_W + 2 * j] = uint32(v)
-                            s_a[r * _STEP_W + 2 * j + 1] = uint32(v >> uint64(32))
-                        for f in range(tid, B_U64, NW * 32):
-                            t = f >> 5
-                            j = f & 31
-                            tok = min(tok0 + t, n_tok - 1)
-                            v = xq64[_ix(tok * x_u64 + 32 * st + j)]
-                            s_b[t * _STEP_W + 2 * j] = uint32(v)
-                            s_b[t * _STEP_W + 2 * j + 1] = uint32(v >> uint64(32))
-                        if tid < _TILE_TOK * 8:
-                            t = tid >> 3
-                            tok = min(tok0 + t, n_tok - 1)
-                            s_x[t * 9 + (tid & 7)] = xd[_ix(tok * nb + 8 * st + (tid & 7))]
-                        cuda.syncthreads()
-                        for nt in range(4):
-                            tb = (8 * nt + gid) * _STEP_W + 8 * g + tig
-                            bfr[2 * nt] = s_b[tb]
-                            bfr[2 * nt + 1] = s_b[tb + 4]
-                            xs[2 * nt] = s_x[(8 * nt + 2 * tig) * 9 + g]
-                            xs[2 * nt + 1] = s_x[(8 * nt + 2 * tig + 1) * 9 + g]
-                        for mt in range(4):
-                            lo = (16 * mt + gid) * _STEP_W
-                            hi = lo + 8 * _STEP_W
-                            a0 = funnel_r(s_a[lo + q_word + tig], s_a[lo + q_word + tig + 1], q_shift)
-                            a1 = funnel_r(s_a[hi + q_word + tig], s_a[hi + q_word + tig + 1], q_shift)
-                            a2 = funnel_r(s_a[lo + q_word + tig + 4], s_a[lo + q_word + tig + 5], q_shift)
-                            a3 = funnel_r(s_a[hi + q_word + tig + 4], s_a[hi + q_word + tig + 5], q_shift)
-                            wd_lo = f16_bits_to_f32(bfe(s_a[lo + d_word], d_shift, 16))
-                            wd_hi = f16_bits_to_f32(bfe(s_a[hi + d_word], d_shift, 16))
-                            for nt in range(4):
-                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bfr[2 * nt], bfr[2 * nt + 1])
-                                e = (mt * 4 + nt) * 4
-                                acc[e] = cuda.fma(wd_lo * xs[2 * nt], float32(c0), acc[e])
-                                acc[e + 1] = cuda.fma(wd_lo * xs[2 * nt + 1], float32(c1), acc[e + 1])
-                                acc[e + 2] = cuda.fma(wd_hi * xs[2 * nt], float32(c2), acc[e + 2])
-                                acc[e + 3] = cuda.fma(wd_hi * xs[2 * nt + 1], float32(c3), acc[e + 3])
-            finish_half(acc, comb, warp, lane, gid, tig, 0, row0, tok0, rows, n_tok, w, out, out_ld)
-            finish_half(acc, comb, warp, lane, gid, tig, 1, row0, tok0, rows, n_tok, w, out, out_ld)
-
-    return q8_0_rows_tiled
-
-
-def _tiled_ok(parts, nb, xq):
-    """The tiled kernel's alignment needs: 8-byte aligned rows and steps of 8 blocks."""
-    return nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts) and \
-        xq.__cuda_array_interface__["data"][0] % 8 == 0
-
-
-def _make_f16_step(T):
-    @cuda.jit(device=True, forceinline=True)
-    def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc):
+    def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
         if valid:
-            wv = a32[_ix(wrow + p)]
-            w0 = f16_bits_to_f32(wv & _M16)
-            w1 = f16_bits_to_f32(wv >> uint32(16))
+            for r in range(R):
+                wv = a32[_ix(wrow[r] + p)]
+                w0[r] = f16_bits_to_f32(wv & _M16)
+                w1[r] = f16_bits_to_f32(wv >> uint32(16))
             for tt in range(T):
                 tok = tok0 + tt
                 if T == 1 or tok < n_tok:
                     xv = x64[_ix(tok * npairs + p)]
-                    acc[tt] = cuda.fma(w0, xv.real, acc[tt])
-                    acc[tt] = cuda.fma(w1, xv.imag, acc[tt])
-
-    return step_fn
-
-
-def _f16_kernel(S, T):
-    """F16 x f32: a lane takes one pair of weights (one uint32) per step, fma in f32."""
-    RPB = _NW_DENSE // S
-    finish = _make_finish(S, T)
-    step_fn = _make_f16_step(T)
+                    for r in range(R):
+                        acc[r * T + tt] = cuda.fma(w0[r], xv.real, acc[r * T + tt])
+                        acc[r * T + tt] = cuda.fma(w1[r], xv.imag, acc[r * T + tt])
 
     @cuda.jit
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
@@ -667,28 +511,39 @@ def _f16_kernel(S, T):
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         w = warp % S
-        row = cuda.blockIdx.x * RPB + warp // S
+        row_first = (cuda.blockIdx.x * RPB + warp // S) * R
         tok0 = cuda.blockIdx.y * T
-        acc = cuda.local.array(T, float32)
-        for tt in range(T):
-            acc[tt] = float32(0.0)
-        if row < rows:
-            wrow = row_w0 + row * row_w if row < rows_a else row_w0_b + (row - rows_a) * row_w
+        acc = cuda.local.array(RT, float32)
+        one = cuda.local.array(T, float32)
+        wrow = cuda.local.array(R, int64)
+        w0 = cuda.local.array(R, float32)
+        w1 = cuda.local.array(R, float32)
+        for i in range(RT):
+            acc[i] = float32(0.0)
+        for r in range(R):
+            row = min(row_first + r, rows - 1)       # rows past the end repeat the last (not written)
+            wrow[r] = row_w0 + row * row_w if row < rows_a else row_w0_b + (row - rows_a) * row_w
+        if row_first < rows:
             nfull = npairs >> 5
             for step in range(w, nfull, S):
-                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc)
+                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
             if (npairs & 31) != 0 and nfull % S == w:
                 p = nfull * WARP + lane
-                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc)
-        for tt in range(T):
-            v = acc[tt]
+                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc, w0, w1)
+        for i in range(RT):
+            v = acc[i]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
-            acc[tt] = v
-        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+            acc[i] = v
+        for r in range(R):
+            for tt in range(T):
+                one[tt] = acc[r * T + tt]
+            finish(part, one, warp, lane, w, row_first + r, rows, tok0, n_tok, out, out_ld)
+            if S > 1 and R > 1:
+                cuda.syncthreads()               # part is read before the next row writes it
 
     return f16_rows
 
@@ -719,14 +574,6 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
-    if mma and _USE_TILED and _tiled_ok(parts, nb, xq):
-        kernel = _cached(("q8_0_tiled", S, U, _TILE_REGS), lambda: _q8_0_tiled_kernel(S, U, _TILE_REGS))
-        grid = ((rows + _TILE_ROWS - 1) // _TILE_ROWS, (n_tok + _TILE_TOK - 1) // _TILE_TOK)
-        row_u64 = 34 * nb // 8
-        kernel[grid, _TILE_WARPS * WARP, _stream(stream)](
-            _arena_u64(arena), off_a // 8, off_b // 8, row_u64, rows, rows_a, nb, _flat(xq).view(np.uint64),
-            _flat(xd), n_tok, _flat(out), rows)
-        return
     if mma:
         kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
         grid = ((rows + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
@@ -789,8 +636,9 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
     T = _tok_tile(n_tok)
-    kernel = _cached(("f16", S, T), lambda: _f16_kernel(S, T))
-    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
+    R = 1 if n_tok == 1 else _F16_R
+    kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))
+    grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a32, off_a // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows,
         off_b // 4, rows_a if len(parts) > 1 else rows)

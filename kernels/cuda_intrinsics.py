@@ -11,8 +11,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   mma.sync.m16n8k32.row.col.s32.s8.s8.s32, C = 0): A 16 x 32 (row-major), B 32 x 8 (one column per
   token), the thread's four int32 results (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1).
   Exact integer dots, so a kernel that scales them per Q8_0 block gets the dp4a kernels' numbers.
-* ``funnel_r(lo, hi, shift)``: the 32 bits of the 64-bit hi:lo starting at bit `shift` (0..32;
-  PTX shf.r.clamp): a word that starts 2 bytes into an aligned pair of words is funnel_r(w0, w1, 16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -49,10 +47,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def mma_s8(a0, a1, a2, a3, b0, b1):
         raise NotImplementedError("mma_s8 is a warp-wide tensor-core instruction: no simulator version")
-
-    def funnel_r(lo, hi, shift):
-        v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
-        return np.uint32((v >> min(int(shift), 32)) & 0xFFFFFFFF)
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -147,19 +141,6 @@ else:
                                vals + [zero] * 4)
             parts = [builder.extract_value(res, i) for i in range(4)]
             return context.make_tuple(builder, signature.return_type, parts)
-
-        return sig, codegen
-
-    @intrinsic
-    def funnel_r(typingctx, lo, hi, shift):
-        if not all(isinstance(t, types.Integer) for t in (lo, hi, shift)):
-            return None
-        sig = types.uint32(lo, hi, shift)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            return builder.call(ir.InlineAsm(fnty, "shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
 
         return sig, codegen
 

@@ -172,7 +172,6 @@ def test_matmul_rows_equal_matvec(t, rows):
 
 # (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
 # tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset
-# (offsets % 8 == 0 with nb % 8 == 0 take the shared-memory tiled kernel, the others the global one)
 MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200, 256, 33, 0),
              (64, 96, 17, 0), (1024, 4096, 64, 0), (300, 8192, 45, 0), (70, 2048, 100, 4)]
 
