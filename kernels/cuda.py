@@ -397,6 +397,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
 _MMA_WARPS = 4       # warps per block, 16 rows each
 _MMA_NT = 4          # MMAs of 8 tokens per warp tile (32 tokens)
 _MMA_MIN_TOKENS = 16  # fewer tokens: the dp4a kernel (the MMA tile would be mostly padding)
+_MMA_GROUPS = True    # the one-warp-per-lane-group form (q8_0_rows_mma_groups, below)
 _USE_MMA = True       # the engine's prefill matmuls (test_q8_0_mma_matches_matvec passed on the
                       # H200; 4096->2048 x 2048 tokens: 5.18 ms dp4a -> 1.29 ms)
 
@@ -476,6 +477,98 @@ def _q8_0_mma_kernel(S, U):
                     out[_ix(tok * out_ld + row)] = total[4 * nt + k]
 
     return q8_0_rows_mma
+
+
+# ---- the same matmul with one warp per lane group (8 warps on a 16 x 32 tile) ------------------
+#
+# The kernel above walks the 8 lane groups in one warp, so it keeps 5 partial sums per output live
+# (168 registers: 12 warps per SM, too few to hide its load latency). Here warp g of a block takes
+# lane group g itself (blocks b = g mod 8 of the same 16 rows x 32 tokens), keeps one sum per
+# output, and the 8 warps meet in the butterfly through shared memory; warp 0 adds the result to
+# `out` in warp-split order. Same per-output order, so the same bits.
+
+_MMA_G_WARPS = 8
+_MMA_G_REGS = 96     # register cap (0: none; ptxas: 124 uncapped, 96 without spills: 2 blocks per SM)
+
+
+def _q8_0_mma_groups_kernel(S, U, max_regs=0):
+    NE = 4 * _MMA_NT
+    SC = 4 * NE * 32
+
+    @cuda.jit(device=True, forceinline=True)
+    def meet(acc, comb, warp, lane, src_lo, n_src):
+        """Warps src_lo .. src_lo + n_src - 1 hand their sums over; warps 0 .. n_src - 1 add them."""
+        cuda.syncthreads()
+        if warp >= src_lo and warp < src_lo + n_src:
+            for i in range(NE):
+                comb[((warp - src_lo) * NE + i) * 32 + lane] = acc[i]
+        cuda.syncthreads()
+        if warp < n_src:
+            for i in range(NE):
+                acc[i] = acc[i] + comb[(warp * NE + i) * 32 + lane]
+
+    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+
+    @jit
+    def q8_0_rows_mma_groups(a16, row_h0, row_h, rows, nb, xq32, xd, n_tok, out, out_ld, row_h0_b, rows_a):
+        comb = cuda.shared.array(SC, float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        gid = lane >> 2
+        tig = lane & 3
+        g = warp
+        row0 = cuda.blockIdx.x * 16
+        tok0 = cuda.blockIdx.y * (8 * _MMA_NT)
+        r_lo = min(row0 + gid, rows - 1)              # a short last tile repeats a row
+        r_hi = min(row0 + gid + 8, rows - 1)
+        h_lo = row_h0 + r_lo * row_h if r_lo < rows_a else row_h0_b + (r_lo - rows_a) * row_h
+        h_hi = row_h0 + r_hi * row_h if r_hi < rows_a else row_h0_b + (r_hi - rows_a) * row_h
+        words = 8 * nb                                # int32 words per token of xq
+        nchunks = ((nb + 7) // 8 + U - 1) // U
+        acc = cuda.local.array(NE, float32)
+        for w in range(S):
+            for e in range(NE):
+                acc[e] = float32(0.0)
+            for c in range(w, nchunks, S):
+                for u in range(U):
+                    b = (c * U + u) * 8 + g
+                    if b < nb:                        # warp-uniform
+                        hb_lo = h_lo + 17 * b
+                        hb_hi = h_hi + 17 * b
+                        a0 = _u16pair(a16, hb_lo + 1 + 2 * tig)
+                        a1 = _u16pair(a16, hb_hi + 1 + 2 * tig)
+                        a2 = _u16pair(a16, hb_lo + 9 + 2 * tig)
+                        a3 = _u16pair(a16, hb_hi + 9 + 2 * tig)
+                        wd_lo = f16_bits_to_f32(a16[_ix(hb_lo)])
+                        wd_hi = f16_bits_to_f32(a16[_ix(hb_hi)])
+                        for nt in range(_MMA_NT):
+                            tb = min(tok0 + 8 * nt + gid, n_tok - 1)
+                            b0 = xq32[_ix(tb * words + 8 * b + tig)]
+                            b1 = xq32[_ix(tb * words + 8 * b + 4 + tig)]
+                            c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, b0, b1)
+                            t0 = min(tok0 + 8 * nt + 2 * tig, n_tok - 1)
+                            t1 = min(tok0 + 8 * nt + 2 * tig + 1, n_tok - 1)
+                            xs0 = xd[_ix(t0 * nb + b)]
+                            xs1 = xd[_ix(t1 * nb + b)]
+                            e = 4 * nt
+                            acc[e] = cuda.fma(wd_lo * xs0, float32(c0), acc[e])
+                            acc[e + 1] = cuda.fma(wd_lo * xs1, float32(c1), acc[e + 1])
+                            acc[e + 2] = cuda.fma(wd_hi * xs0, float32(c2), acc[e + 2])
+                            acc[e + 3] = cuda.fma(wd_hi * xs1, float32(c3), acc[e + 3])
+            meet(acc, comb, warp, lane, 4, 4)         # g + (g + 4)
+            meet(acc, comb, warp, lane, 2, 2)         # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
+            meet(acc, comb, warp, lane, 1, 1)         # left + right
+            if warp == 0:
+                for nt in range(_MMA_NT):
+                    for k in range(4):
+                        row = row0 + gid + 8 * (k >> 1)
+                        tok = tok0 + 8 * nt + 2 * tig + (k & 1)
+                        if row < rows and tok < n_tok:
+                            o = _ix(tok * out_ld + row)
+                            v = acc[4 * nt + k]
+                            out[o] = v if w == 0 else out[o] + v     # the warp-split order
+
+    return q8_0_rows_mma_groups
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
@@ -574,6 +667,14 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
+    if mma and _MMA_GROUPS:
+        kernel = _cached(("q8_0_mma_groups", S, U, _MMA_G_REGS),
+                         lambda: _q8_0_mma_groups_kernel(S, U, _MMA_G_REGS))
+        grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
+        kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
+            a16, off_a // 2, 17 * nb, rows, nb, _as_i32(xq), _flat(xd), n_tok, _flat(out), rows,
+            off_b // 2, rows_a)
+        return
     if mma:
         kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
         grid = ((rows + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
