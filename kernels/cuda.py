@@ -1372,9 +1372,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     return moe_gate_up_tiles
 
 
-_MMA_TILE = 8        # (token, slot) pairs per tile in the tensor-core down kernel (the MMA's N)
-
-
+_MMA_HALVES_DN = 2   # 8-pair MMA columns per down tile (as _MMA_HALVES_GU)
 _MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 pairs decodes each
                      # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
 
@@ -1483,13 +1481,17 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
     return moe_gate_up_tiles_mma
 
 
-def _moe_down_tiles_mma_kernel():
+def _moe_down_tiles_mma_kernel(NH=1):
     """Prefill down projection for Q2_K experts on the int8 tensor cores: a warp takes 16 output
-    rows x one tile of <= 8 pairs. The A bytes are the 2-bit weights times their 4-bit sub-block
-    scale (<= 45, an exact int8), so each of a super-block's 8 MMAs gives Σ scale·q·x of its 32
+    rows x one tile of <= 8·NH pairs (NH MMA column halves of 8 pairs; the A fragment is built once
+    for all halves). The A bytes are the 2-bit weights times their 4-bit sub-block scale (<= 45,
+    an exact int8), so each of a super-block's 8 MMAs per half gives Σ scale·q·x of its 32
     weights; the mins term Σ min·bsum is integer too. The f32 side is the decode kernel's:
     term = fma(d_x·d, isum, -(d_x·dmin)·summs) added per lane group q = sb % 4, then
-    (q0 + q2) + (q1 + q3): pair_out equals moe_decode's per-slot result bit for bit."""
+    (q0 + q2) + (q1 + q3): pair_out equals moe_decode's per-slot result bit for bit, whatever NH."""
+    TILE = 8 * NH
+    NACC = 16 * NH
+    NI = 4 * NH
 
     @cuda.jit
     def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
@@ -1507,66 +1509,87 @@ def _moe_down_tiles_mma_kernel():
             return
         r_lo = min(row0 + gid, n_embd - 1)
         r_hi = min(row0 + gid + 8, n_embd - 1)
-        base = tile * _MMA_TILE
-        col_b = base + min(gid, cnt - 1)
-        col0 = base + min(2 * tig, cnt - 1)
-        col1 = base + min(2 * tig + 1, cnt - 1)
-        pair_b = tile_tok[col_b] * n_used + tile_slot[col_b]    # rows of the quantized mid
-        pair0 = tile_tok[col0] * n_used + tile_slot[col0]
-        pair1 = tile_tok[col1] * n_used + tile_slot[col1]
+        base = tile * TILE
+        halves = (cnt + 7) >> 3                        # column halves holding pairs
+        pair_b = cuda.local.array(NH, int64)           # rows of the quantized mid: B column of half h
+        pair0 = cuda.local.array(NH, int64)            # C columns 2 tig (+ 1) of half h
+        pair1 = cuda.local.array(NH, int64)
+        for h in range(NH):
+            col_b = base + min(8 * h + gid, cnt - 1)
+            col0 = base + min(8 * h + 2 * tig, cnt - 1)
+            col1 = base + min(8 * h + 2 * tig + 1, cnt - 1)
+            pair_b[h] = tile_tok[col_b] * n_used + tile_slot[col_b]
+            pair0[h] = tile_tok[col0] * n_used + tile_slot[col0]
+            pair1[h] = tile_tok[col1] * n_used + tile_slot[col1]
         words = 64 * nsb
-        acc = cuda.local.array(16, float32)            # [q][lo c0, lo c1, hi c0, hi c1]
-        for e in range(16):
+        acc = cuda.local.array(NACC, float32)
+        for e in range(NACC):
             acc[e] = float32(0.0)
-        isum = cuda.local.array(4, int32)
-        summs = cuda.local.array(4, int32)
+        isum = cuda.local.array(NI, int32)
+        summs = cuda.local.array(NI, int32)
+        # acc holds 4 banks [bank][h][lo c0, lo c1, hi c0, hi c1]; bank 0 is always lane group
+        # q = sb % 4 (the banks rotate after every super-block), so no index depends on q and acc
+        # stays in registers however the compiler unrolls
         for sb0 in range(0, nsb, 4):
-            for q in range(4):                         # q = sb % 4: constant accumulator indices
+            for q in range(4):
                 sb = sb0 + q
-                if sb >= nsb:
-                    continue
-                w_lo = (tile_off[tile * 3 + 2] + r_lo * rb) // 4 + 21 * sb
-                w_hi = (tile_off[tile * 3 + 2] + r_hi * rb) // 4 + 21 * sb
-                for e in range(4):
-                    isum[e] = int32(0)
-                    summs[e] = int32(0)
-                for kk in range(8):                    # weights 32 kk.. : chunk h, shift s
-                    h = kk >> 2
-                    sh = 2 * (kk & 3)
-                    a0 = _q2_scaled(a32, w_lo, 4 + 8 * h + tig, sh, 2 * kk)
-                    a1 = _q2_scaled(a32, w_hi, 4 + 8 * h + tig, sh, 2 * kk)
-                    a2 = _q2_scaled(a32, w_lo, 8 + 8 * h + tig, sh, 2 * kk + 1)
-                    a3 = _q2_scaled(a32, w_hi, 8 + 8 * h + tig, sh, 2 * kk + 1)
-                    xw = pair_b * words + 64 * sb + 8 * kk + tig
-                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, mq32[_ix(xw)], mq32[_ix(xw + 4)])
-                    isum[0] = int32(isum[0] + c0)
-                    isum[1] = int32(isum[1] + c1)
-                    isum[2] = int32(isum[2] + c2)
-                    isum[3] = int32(isum[3] + c3)
-                for sub in range(16):                  # Σ min · bsum over the 16 sub-blocks
-                    m_lo = bfe(a32[_ix(w_lo + (sub >> 2))], 8 * (sub & 3) + 4, 4)
-                    m_hi = bfe(a32[_ix(w_hi + (sub >> 2))], 8 * (sub & 3) + 4, 4)
-                    bs0 = mbs[_ix(pair0 * 16 * nsb + 16 * sb + sub)]
-                    bs1 = mbs[_ix(pair1 * 16 * nsb + 16 * sb + sub)]
-                    summs[0] = imad(m_lo, bs0, summs[0])
-                    summs[1] = imad(m_lo, bs1, summs[1])
-                    summs[2] = imad(m_hi, bs0, summs[2])
-                    summs[3] = imad(m_hi, bs1, summs[3])
-                dd_lo = a32[_ix(w_lo + 20)]
-                dd_hi = a32[_ix(w_hi + 20)]
-                for k in range(4):
-                    dd = dd_lo if k < 2 else dd_hi
-                    d = f16_bits_to_f32(dd & _M16)
-                    dmin = f16_bits_to_f32(dd >> uint32(16))
-                    xdv = md[_ix((pair0 if k % 2 == 0 else pair1) * nsb + sb)]
-                    term = cuda.fma(xdv * d, float32(isum[k]), -((xdv * dmin) * float32(summs[k])))
-                    acc[4 * q + k] = acc[4 * q + k] + term
-        for k in range(4):
-            row = row0 + gid + 8 * (k >> 1)
-            col = 2 * tig + (k & 1)
-            if row < n_embd and col < cnt:
-                pair = tile_tok[base + col] * n_used + tile_slot[base + col]
-                pair_out[_ix(pair * n_embd + row)] = (acc[k] + acc[8 + k]) + (acc[4 + k] + acc[12 + k])
+                if sb < nsb:
+                    w_lo = (tile_off[tile * 3 + 2] + r_lo * rb) // 4 + 21 * sb
+                    w_hi = (tile_off[tile * 3 + 2] + r_hi * rb) // 4 + 21 * sb
+                    for e in range(NI):
+                        isum[e] = int32(0)
+                        summs[e] = int32(0)
+                    for kk in range(8):                # weights 32 kk.. : chunk kh, shift sh
+                        kh = kk >> 2
+                        sh = 2 * (kk & 3)
+                        a0 = _q2_scaled(a32, w_lo, 4 + 8 * kh + tig, sh, 2 * kk)
+                        a1 = _q2_scaled(a32, w_hi, 4 + 8 * kh + tig, sh, 2 * kk)
+                        a2 = _q2_scaled(a32, w_lo, 8 + 8 * kh + tig, sh, 2 * kk + 1)
+                        a3 = _q2_scaled(a32, w_hi, 8 + 8 * kh + tig, sh, 2 * kk + 1)
+                        for h in range(NH):
+                            if h < halves:             # warp-uniform
+                                xw = pair_b[h] * words + 64 * sb + 8 * kk + tig
+                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, mq32[_ix(xw)], mq32[_ix(xw + 4)])
+                                isum[4 * h] = int32(isum[4 * h] + c0)
+                                isum[4 * h + 1] = int32(isum[4 * h + 1] + c1)
+                                isum[4 * h + 2] = int32(isum[4 * h + 2] + c2)
+                                isum[4 * h + 3] = int32(isum[4 * h + 3] + c3)
+                    for sub in range(16):              # Σ min · bsum over the 16 sub-blocks
+                        m_lo = bfe(a32[_ix(w_lo + (sub >> 2))], 8 * (sub & 3) + 4, 4)
+                        m_hi = bfe(a32[_ix(w_hi + (sub >> 2))], 8 * (sub & 3) + 4, 4)
+                        for h in range(NH):
+                            if h < halves:
+                                bs0 = mbs[_ix(pair0[h] * 16 * nsb + 16 * sb + sub)]
+                                bs1 = mbs[_ix(pair1[h] * 16 * nsb + 16 * sb + sub)]
+                                summs[4 * h] = imad(m_lo, bs0, summs[4 * h])
+                                summs[4 * h + 1] = imad(m_lo, bs1, summs[4 * h + 1])
+                                summs[4 * h + 2] = imad(m_hi, bs0, summs[4 * h + 2])
+                                summs[4 * h + 3] = imad(m_hi, bs1, summs[4 * h + 3])
+                    dd_lo = a32[_ix(w_lo + 20)]
+                    dd_hi = a32[_ix(w_hi + 20)]
+                    for h in range(NH):
+                        for k in range(4):
+                            dd = dd_lo if k < 2 else dd_hi
+                            d = f16_bits_to_f32(dd & _M16)
+                            dmin = f16_bits_to_f32(dd >> uint32(16))
+                            xdv = md[_ix((pair0[h] if k % 2 == 0 else pair1[h]) * nsb + sb)]
+                            term = cuda.fma(xdv * d, float32(isum[4 * h + k]),
+                                            -((xdv * dmin) * float32(summs[4 * h + k])))
+                            acc[4 * h + k] = acc[4 * h + k] + term
+                for e in range(NI):                    # rotate: bank 0 becomes lane group q + 1
+                    first = acc[e]
+                    acc[e] = acc[NI + e]
+                    acc[NI + e] = acc[2 * NI + e]
+                    acc[2 * NI + e] = acc[3 * NI + e]
+                    acc[3 * NI + e] = first
+        for h in range(NH):
+            for k in range(4):
+                row = row0 + gid + 8 * (k >> 1)
+                col = 8 * h + 2 * tig + (k & 1)
+                if row < n_embd and col < cnt:
+                    pair = tile_tok[base + col] * n_used + tile_slot[base + col]
+                    e = 4 * h + k                      # banks 0..3 = lane groups 0..3 again
+                    pair_out[_ix(pair * n_embd + row)] = (acc[e] + acc[2 * NI + e]) + (acc[NI + e] + acc[3 * NI + e])
 
     return moe_down_tiles_mma
 
@@ -1940,7 +1963,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     # the tile lists each kernel kind needs (grouped once per call)
     tiles = group(ids, table, T, s) if not (mma_gu and mma_dn) else None
     gu_tiles = group(ids, table, 8 * _MMA_HALVES_GU, s) if mma_gu else None
-    mma_tiles = group(ids, table, _MMA_TILE, s) if mma_dn else None
+    mma_tiles = group(ids, table, 8 * _MMA_HALVES_DN, s) if mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
@@ -1959,7 +1982,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
     if mma_dn:
-        dn = _cached(("moe_down_tiles_mma",), _moe_down_tiles_mma_kernel)
+        dn = _cached(("moe_down_tiles_mma", _MMA_HALVES_DN), lambda: _moe_down_tiles_mma_kernel(_MMA_HALVES_DN))
         _tile_launch(dn, n_embd, mma_tiles, True, s)(
             a32, *mma_tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
             pair_out)

@@ -87,6 +87,10 @@ quant = {
                                    (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
  "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2),
                                    (u16a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
+ "moe_down_tiles_mma Q2_K (8-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(1),
+                                            (u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, i64, i64, f32a)),
+ "moe_down_tiles_mma Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(2),
+                                             (u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, i64, i64, f32a)),
 }
 
 bad = 0
