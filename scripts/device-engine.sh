@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the GPU machine: GPU tests, the engine benchmark, a per-kernel ncu profile of one decode step
-# and (optional) the ncu MoE/Q8_0 kernel profile. Everything lands in $OUT (8 files at most).
+# and (optional) ncu counters of chosen kernels (moe: NCU_REGEX, NCU_COUNT). Everything lands in $OUT (8 files at most).
 # usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [kbench] [moe]
 source scripts/device-prelude.sh || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
@@ -28,10 +28,11 @@ if [[ $parts == *" kbench "* ]]; then
   tail -40 $OUT/kernel_bench.log
 fi
 if [[ $parts == *" moe "* ]]; then
-  # counters of the routed-expert kernels (and one Q8_0 projection) inside a real decode step
+  # ncu counters of chosen kernels inside a real decode step (or, with PROFILE_ARGS="--prefill 512",
+  # a prefill chunk): NCU_REGEX picks them, NCU_COUNT how many launches (in launch order)
   timeout ${MOE_S:-180} $NCU --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-    -k 'regex:moe_|q8_0_rows' --launch-count 6 \
-    python3 scripts/profile_step.py > $OUT/ncu_moe.txt 2>&1
-  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ" $OUT/ncu_moe.txt | head -60
+    -k "${NCU_REGEX:-regex:moe_}" --launch-count ${NCU_COUNT:-6} \
+    python3 scripts/profile_step.py ${PROFILE_ARGS:-} > $OUT/ncu_moe.txt 2>&1
+  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ" $OUT/ncu_moe.txt | head -${NCU_LINES:-60}
 fi
