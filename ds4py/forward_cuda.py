@@ -365,6 +365,7 @@ class CudaEngine:
         s = self.spec
         n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
         if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
+            assert b.hc_chunk <= ops.HC_MIX_VALS * BLOCK, "hc_mix_tokens caches HC_MIX_VALS values per thread"
             ops.hc_mix_tokens[(b.part_dot.shape[2], b.T), BLOCK, self.stream](
                 b.state, self.w16, self.off16(fn_name), b.hc_chunk, gram_rows > 0, b.part_dot[:, :n_rows],
                 b.part_sq, b.part_gram)

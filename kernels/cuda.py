@@ -390,108 +390,29 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
 # the S warps of a row (split-K), lane group g of 8 adds (d_w·d_x)·isum of blocks b = g (mod 8) in
 # increasing order (chunks of U steps of 8 blocks, round-robin over the S warps); the 8 group sums
 # meet in the butterfly ((g0 + g4) + (g2 + g6)) + ((g1 + g5) + (g3 + g7)); the S warp sums are added
-# in warp order. Here a warp takes 16 rows x 32 tokens (4 MMAs per block share the A fragment) and
-# walks the blocks group by group, g in the butterfly's order, so that only a few partial sums are
-# live: every output equals the dp4a matmul and matvec bit for bit.
+# in warp order. Here a block of 8 warps takes 16 rows x 32 tokens (4 MMAs per block b share the
+# A fragment); warp g takes lane group g (blocks b = g mod 8), keeps one sum per output, and the 8
+# warps meet in the butterfly through shared memory; warp 0 adds the result to `out` in warp-split
+# order: every output equals the dp4a matmul and matvec bit for bit. (A single warp walking the 8
+# groups needed 5 live sums per output, 168 registers, and ran 1.2x slower on the H200.)
+#
+# k order inside an MMA: the 32 products of one MMA are summed exactly, so the kernels may feed the
+# 32 k-slots in any order as long as A and B agree. PTX gives lane tig the k-slots 4 tig .. + 3
+# (registers a0/a1, b0) and 16 + 4 tig .. + 3 (a2/a3, b1); the tensor-core kernels here put the
+# weights and activations 8 tig .. 8 tig + 7 there instead, so a lane's B pair is one 8-byte
+# load and its A pair comes from 8 contiguous weight bytes (one IQ2 grid entry, one Q2_K scale).
 
-_MMA_WARPS = 4       # warps per block, 16 rows each
+_MMA_WARPS = 4       # warps per block in the MoE tensor-core kernels, 16 rows each
 _MMA_NT = 4          # MMAs of 8 tokens per warp tile (32 tokens)
 _MMA_MIN_TOKENS = 16  # fewer tokens: the dp4a kernel (the MMA tile would be mostly padding)
-_MMA_GROUPS = True    # the one-warp-per-lane-group form (q8_0_rows_mma_groups, below)
 _USE_MMA = True       # the engine's prefill matmuls (test_q8_0_mma_matches_matvec passed on the
                       # H200; 4096->2048 x 2048 tokens: 5.18 ms dp4a -> 1.29 ms)
+_MMA_G_WARPS = 8      # warps per block of the Q8_0 kernel: one per lane group
+_MMA_G_REGS = 80      # its register cap: 3 blocks per SM (H200, 4096->2048 x 2048 tokens: none 1.93 ms,
+                      # 96: 1.30, 80: 1.10, 64: 1.11)
 
 
-def _q8_0_mma_kernel(S, U):
-    NE = 4 * _MMA_NT       # f32 results per thread: 2 rows x 2 tokens per MMA
-
-    @cuda.jit
-    def q8_0_rows_mma(a16, row_h0, row_h, rows, nb, xq32, xd, n_tok, out, out_ld, row_h0_b, rows_a):
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        gid = lane >> 2
-        tig = lane & 3
-        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
-        if row0 >= rows:                              # warp-uniform; no block barrier follows
-            return
-        tok0 = cuda.blockIdx.y * (8 * _MMA_NT)
-        r_lo = min(row0 + gid, rows - 1)              # a short last tile repeats a row
-        r_hi = min(row0 + gid + 8, rows - 1)
-        h_lo = row_h0 + r_lo * row_h if r_lo < rows_a else row_h0_b + (r_lo - rows_a) * row_h
-        h_hi = row_h0 + r_hi * row_h if r_hi < rows_a else row_h0_b + (r_hi - rows_a) * row_h
-        words = 8 * nb                                # int32 words per token of xq
-        nchunks = ((nb + 7) // 8 + U - 1) // U
-        total = cuda.local.array(NE, float32)         # Σ over the S warps, in warp order
-        left = cuda.local.array(NE, float32)          # (g0 + g4) + (g2 + g6)
-        first = cuda.local.array(NE, float32)         # g0 + g4, then g1 + g5
-        pair = cuda.local.array(NE, float32)          # the group pair being summed
-        acc = cuda.local.array(NE, float32)           # one lane group's blocks
-        for w in range(S):
-            for gi in range(8):                       # g = 0, 4, 2, 6, 1, 5, 3, 7
-                g = (gi & 1) * 4 + ((gi >> 1) & 1) * 2 + (gi >> 2)
-                for e in range(NE):
-                    acc[e] = float32(0.0)
-                for c in range(w, nchunks, S):
-                    for u in range(U):
-                        b = (c * U + u) * 8 + g
-                        if b < nb:                    # warp-uniform
-                            hb_lo = h_lo + 17 * b
-                            hb_hi = h_hi + 17 * b
-                            a0 = _u16pair(a16, hb_lo + 1 + 2 * tig)
-                            a1 = _u16pair(a16, hb_hi + 1 + 2 * tig)
-                            a2 = _u16pair(a16, hb_lo + 9 + 2 * tig)
-                            a3 = _u16pair(a16, hb_hi + 9 + 2 * tig)
-                            wd_lo = f16_bits_to_f32(a16[_ix(hb_lo)])
-                            wd_hi = f16_bits_to_f32(a16[_ix(hb_hi)])
-                            for nt in range(_MMA_NT):
-                                tb = min(tok0 + 8 * nt + gid, n_tok - 1)
-                                b0 = xq32[_ix(tb * words + 8 * b + tig)]
-                                b1 = xq32[_ix(tb * words + 8 * b + 4 + tig)]
-                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, b0, b1)
-                                t0 = min(tok0 + 8 * nt + 2 * tig, n_tok - 1)
-                                t1 = min(tok0 + 8 * nt + 2 * tig + 1, n_tok - 1)
-                                xs0 = xd[_ix(t0 * nb + b)]
-                                xs1 = xd[_ix(t1 * nb + b)]
-                                e = 4 * nt
-                                acc[e] = cuda.fma(wd_lo * xs0, float32(c0), acc[e])
-                                acc[e + 1] = cuda.fma(wd_lo * xs1, float32(c1), acc[e + 1])
-                                acc[e + 2] = cuda.fma(wd_hi * xs0, float32(c2), acc[e + 2])
-                                acc[e + 3] = cuda.fma(wd_hi * xs1, float32(c3), acc[e + 3])
-                for e in range(NE):                   # the butterfly, as the groups arrive
-                    if gi % 2 == 0:
-                        pair[e] = acc[e]
-                    else:
-                        pair[e] = pair[e] + acc[e]
-                        if gi == 1 or gi == 5:
-                            first[e] = pair[e]
-                        elif gi == 3:
-                            left[e] = first[e] + pair[e]
-                        else:
-                            value = left[e] + (first[e] + pair[e])
-                            total[e] = value if w == 0 else total[e] + value
-        for nt in range(_MMA_NT):
-            for k in range(4):
-                row = row0 + gid + 8 * (k >> 1)
-                tok = tok0 + 8 * nt + 2 * tig + (k & 1)
-                if row < rows and tok < n_tok:
-                    out[_ix(tok * out_ld + row)] = total[4 * nt + k]
-
-    return q8_0_rows_mma
-
-
-# ---- the same matmul with one warp per lane group (8 warps on a 16 x 32 tile) ------------------
-#
-# The kernel above walks the 8 lane groups in one warp, so it keeps 5 partial sums per output live
-# (168 registers: 12 warps per SM, too few to hide its load latency). Here warp g of a block takes
-# lane group g itself (blocks b = g mod 8 of the same 16 rows x 32 tokens), keeps one sum per
-# output, and the 8 warps meet in the butterfly through shared memory; warp 0 adds the result to
-# `out` in warp-split order. Same per-output order, so the same bits.
-
-_MMA_G_WARPS = 8
-_MMA_G_REGS = 96     # register cap (0: none; ptxas: 124 uncapped, 96 without spills: 2 blocks per SM)
-
-
-def _q8_0_mma_groups_kernel(S, U, max_regs=0):
+def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
     NE = 4 * _MMA_NT
     SC = 4 * NE * 32
 
@@ -510,7 +431,7 @@ def _q8_0_mma_groups_kernel(S, U, max_regs=0):
     jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
 
     @jit
-    def q8_0_rows_mma_groups(a16, row_h0, row_h, rows, nb, xq32, xd, n_tok, out, out_ld, row_h0_b, rows_a):
+    def q8_0_rows_mma(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a):
         comb = cuda.shared.array(SC, float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -523,7 +444,7 @@ def _q8_0_mma_groups_kernel(S, U, max_regs=0):
         r_hi = min(row0 + gid + 8, rows - 1)
         h_lo = row_h0 + r_lo * row_h if r_lo < rows_a else row_h0_b + (r_lo - rows_a) * row_h
         h_hi = row_h0 + r_hi * row_h if r_hi < rows_a else row_h0_b + (r_hi - rows_a) * row_h
-        words = 8 * nb                                # int32 words per token of xq
+        words = 4 * nb                                # int64 words per token of xq
         nchunks = ((nb + 7) // 8 + U - 1) // U
         acc = cuda.local.array(NE, float32)
         for w in range(S):
@@ -535,17 +456,17 @@ def _q8_0_mma_groups_kernel(S, U, max_regs=0):
                     if b < nb:                        # warp-uniform
                         hb_lo = h_lo + 17 * b
                         hb_hi = h_hi + 17 * b
-                        a0 = _u16pair(a16, hb_lo + 1 + 2 * tig)
-                        a1 = _u16pair(a16, hb_hi + 1 + 2 * tig)
-                        a2 = _u16pair(a16, hb_lo + 9 + 2 * tig)
-                        a3 = _u16pair(a16, hb_hi + 9 + 2 * tig)
+                        # k order (see above): lane tig takes weights and activations 8 tig .. + 7
+                        a0 = _u16pair(a16, hb_lo + 1 + 4 * tig)
+                        a1 = _u16pair(a16, hb_hi + 1 + 4 * tig)
+                        a2 = _u16pair(a16, hb_lo + 3 + 4 * tig)
+                        a3 = _u16pair(a16, hb_hi + 3 + 4 * tig)
                         wd_lo = f16_bits_to_f32(a16[_ix(hb_lo)])
                         wd_hi = f16_bits_to_f32(a16[_ix(hb_hi)])
                         for nt in range(_MMA_NT):
                             tb = min(tok0 + 8 * nt + gid, n_tok - 1)
-                            b0 = xq32[_ix(tb * words + 8 * b + tig)]
-                            b1 = xq32[_ix(tb * words + 8 * b + 4 + tig)]
-                            c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, b0, b1)
+                            bx = xq64[_ix(tb * words + 4 * b + tig)]
+                            c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> 32)
                             t0 = min(tok0 + 8 * nt + 2 * tig, n_tok - 1)
                             t1 = min(tok0 + 8 * nt + 2 * tig + 1, n_tok - 1)
                             xs0 = xd[_ix(t0 * nb + b)]
@@ -568,7 +489,7 @@ def _q8_0_mma_groups_kernel(S, U, max_regs=0):
                             v = acc[4 * nt + k]
                             out[o] = v if w == 0 else out[o] + v     # the warp-split order
 
-    return q8_0_rows_mma_groups
+    return q8_0_rows_mma
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
@@ -667,19 +588,11 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
-    if mma and _MMA_GROUPS:
-        kernel = _cached(("q8_0_mma_groups", S, U, _MMA_G_REGS),
-                         lambda: _q8_0_mma_groups_kernel(S, U, _MMA_G_REGS))
-        grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
-        kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
-            a16, off_a // 2, 17 * nb, rows, nb, _as_i32(xq), _flat(xd), n_tok, _flat(out), rows,
-            off_b // 2, rows_a)
-        return
     if mma:
         kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
-        grid = ((rows + 16 * _MMA_WARPS - 1) // (16 * _MMA_WARPS), (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
-        kernel[grid, _MMA_WARPS * WARP, _stream(stream)](
-            a16, off_a // 2, 17 * nb, rows, nb, _as_i32(xq), _flat(xd), n_tok, _flat(out), rows,
+        grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
+        kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
+            a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
@@ -1391,7 +1304,7 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
     NB = 4 * NH
 
     @cuda.jit
-    def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd, nsb,
+    def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
                               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
@@ -1419,8 +1332,7 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
             tok_b[h] = tile_tok[base + min(8 * h + gid, cnt - 1)]
             tok_c0[h] = tile_tok[base + min(8 * h + 2 * tig, cnt - 1)]
             tok_c1[h] = tile_tok[base + min(8 * h + 2 * tig + 1, cnt - 1)]
-        words = 64 * nsb                                       # int32 words per token of xq
-        half = tig & 1
+        words = 32 * nsb                                       # int64 words per token of xq
         acc = cuda.local.array(NACC, float32)                  # [h][gate/up][q][lo c0, lo c1, hi c0, hi c1]
         for e in range(NACC):
             acc[e] = float32(0.0)
@@ -1440,18 +1352,15 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
                         aux1_lo = _u16pair(a16, h_lo + 3 + 4 * j)
                         aux0_hi = _u16pair(a16, h_hi + 1 + 4 * j)
                         aux1_hi = _u16pair(a16, h_hi + 3 + 4 * j)
-                        # bytes 4 tig.. of the sub-block are half `half` of grid entry tig >> 1, bytes
-                        # 16 + 4 tig.. of entry 2 + (tig >> 1)
-                        a0 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, tig >> 1, half)
-                        a1 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, tig >> 1, half)
-                        a2 = _iq2_word(grid_s, ks_s, aux0_lo, aux1_lo, 2 + (tig >> 1), half)
-                        a3 = _iq2_word(grid_s, ks_s, aux0_hi, aux1_hi, 2 + (tig >> 1), half)
+                        # k order (Q8_0 section): lane tig takes the 8 weights of grid entry tig
+                        a0, a2 = _iq2_entry(grid_s, ks_s, aux0_lo, aux1_lo, tig)
+                        a1, a3 = _iq2_entry(grid_s, ks_s, aux0_hi, aux1_hi, tig)
                         ls_lo = imad(bfe(aux1_lo, 28, 4), 2, 1)
                         ls_hi = imad(bfe(aux1_hi, 28, 4), 2, 1)
                         for h in range(NH):
                             if h < halves:                 # warp-uniform
-                                xw = tok_b[h] * words + 64 * sb + 8 * j + tig
-                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, xq32[_ix(xw)], xq32[_ix(xw + 4)])
+                                bx = xq64[_ix(tok_b[h] * words + 32 * sb + 4 * j + tig)]
+                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> 32)
                                 bsum[4 * h] = imad(c0, ls_lo, bsum[4 * h])
                                 bsum[4 * h + 1] = imad(c1, ls_lo, bsum[4 * h + 1])
                                 bsum[4 * h + 2] = imad(c2, ls_hi, bsum[4 * h + 2])
@@ -1494,7 +1403,7 @@ def _moe_down_tiles_mma_kernel(NH=1):
     NI = 4 * NH
 
     @cuda.jit
-    def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs, nsb, rb,
+    def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq64, md, mbs, nsb, rb,
                            n_embd, pair_out):
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
@@ -1521,7 +1430,7 @@ def _moe_down_tiles_mma_kernel(NH=1):
             pair_b[h] = tile_tok[col_b] * n_used + tile_slot[col_b]
             pair0[h] = tile_tok[col0] * n_used + tile_slot[col0]
             pair1[h] = tile_tok[col1] * n_used + tile_slot[col1]
-        words = 64 * nsb
+        words = 32 * nsb                               # int64 words per pair of mq
         acc = cuda.local.array(NACC, float32)
         for e in range(NACC):
             acc[e] = float32(0.0)
@@ -1542,14 +1451,19 @@ def _moe_down_tiles_mma_kernel(NH=1):
                     for kk in range(8):                # weights 32 kk.. : chunk kh, shift sh
                         kh = kk >> 2
                         sh = 2 * (kk & 3)
-                        a0 = _q2_scaled(a32, w_lo, 4 + 8 * kh + tig, sh, 2 * kk)
-                        a1 = _q2_scaled(a32, w_hi, 4 + 8 * kh + tig, sh, 2 * kk)
-                        a2 = _q2_scaled(a32, w_lo, 8 + 8 * kh + tig, sh, 2 * kk + 1)
-                        a3 = _q2_scaled(a32, w_hi, 8 + 8 * kh + tig, sh, 2 * kk + 1)
+                        # k order (Q8_0 section): lane tig takes weights 8 tig .. + 7 of the 32: qs
+                        # words 2 tig, 2 tig + 1 of the chunk, one sub-block (its scale read once)
+                        sub = 2 * kk + (tig >> 1)
+                        sc_lo = uint32(bfe(a32[_ix(w_lo + (sub >> 2))], 8 * (sub & 3), 4))
+                        sc_hi = uint32(bfe(a32[_ix(w_hi + (sub >> 2))], 8 * (sub & 3), 4))
+                        a0 = _q2_times(a32, w_lo, 4 + 8 * kh + 2 * tig, sh, sc_lo)
+                        a1 = _q2_times(a32, w_hi, 4 + 8 * kh + 2 * tig, sh, sc_hi)
+                        a2 = _q2_times(a32, w_lo, 5 + 8 * kh + 2 * tig, sh, sc_lo)
+                        a3 = _q2_times(a32, w_hi, 5 + 8 * kh + 2 * tig, sh, sc_hi)
                         for h in range(NH):
                             if h < halves:             # warp-uniform
-                                xw = pair_b[h] * words + 64 * sb + 8 * kk + tig
-                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, mq32[_ix(xw)], mq32[_ix(xw + 4)])
+                                bx = mq64[_ix(pair_b[h] * words + 32 * sb + 4 * kk + tig)]
+                                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> 32)
                                 isum[4 * h] = int32(isum[4 * h] + c0)
                                 isum[4 * h + 1] = int32(isum[4 * h + 1] + c1)
                                 isum[4 * h + 2] = int32(isum[4 * h + 2] + c2)
@@ -1595,22 +1509,21 @@ def _moe_down_tiles_mma_kernel(NH=1):
 
 
 @cuda.jit(device=True, forceinline=True)
-def _q2_scaled(a32, w, qword, shift, sub):
+def _q2_times(a32, w, qword, shift, scale):
     """Four Q2_K weights (qs word `qword` of the block at word w, bits `shift`) times their
-    sub-block's 4-bit scale (scale byte `sub`): bytes <= 3 x 15, so no carry between them."""
+    sub-block's 4-bit scale: bytes <= 3 x 15, so no carry between them."""
     q2 = (a32[_ix(w + qword)] >> uint32(shift)) & _LOW2
-    scale = uint32(bfe(a32[_ix(w + (sub >> 2))], 8 * (sub & 3), 4))
     return uint32(q2 * scale)
 
 
 @cuda.jit(device=True, forceinline=True)
-def _iq2_word(grid_s, ks_s, aux0, aux1, l, half):
-    """Signed bytes 4·half.. of the 8 weights of IQ2_XXS group l (grid index byte l of aux0, sign
-    index bits 7l.. of aux1), as one int8x4 word."""
+def _iq2_entry(grid_s, ks_s, aux0, aux1, l):
+    """The 8 signed weights of IQ2_XXS group l (grid index byte l of aux0, sign index bits 7l.. of
+    aux1) as two int8x4 words (weights 0..3, 4..7): one grid and one sign lookup for both."""
     gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]
-    word = uint32(gv >> uint64(32)) if half else uint32(gv & uint64(0xFFFFFFFF))
     s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])
-    return negate_bytes(word, (s8 >> (4 * half)) & 15)
+    return (negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15),
+            negate_bytes(uint32(gv >> uint64(32)), (s8 >> 4) & 15))
 
 
 def _moe_down_tiles_kernel(wtype, T, NCH):
@@ -1971,7 +1884,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     if mma_gu:
         gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
         _tile_launch(gu, n_ff, gu_tiles, True, s)(
-            a16, *gu_tiles, n_used, _as_i32(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
+            a16, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     else:
         NCH = _nch(n_embd)
@@ -1984,7 +1897,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     if mma_dn:
         dn = _cached(("moe_down_tiles_mma", _MMA_HALVES_DN), lambda: _moe_down_tiles_mma_kernel(_MMA_HALVES_DN))
         _tile_launch(dn, n_embd, mma_tiles, True, s)(
-            a32, *mma_tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
+            a32, *mma_tiles, n_used, _as_i64(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
             pair_out)
     else:
         NCH = _nch(n_ff)

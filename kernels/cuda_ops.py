@@ -333,6 +333,7 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
 
 HC_MIX_MAX = HC_MAX * (2 + HC_MAX)     # mixer rows with HC_MAX streams
 HC_SUMS = HC_GRAM + 1                  # hc_mix_tokens' double sums: the Gram pairs, then Σx²
+HC_MIX_VALS = 4                        # state values per thread in hc_mix_tokens: chunk <= 4 x block
 BLOCK_WARPS = BLOCK // 32
 
 
@@ -372,6 +373,7 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     chunk = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
+    nthr = cuda.blockDim.x
     _, n_hc, n_embd = state.shape
     n_rows = part_dot.shape[1]
     start = chunk * chunk_len
@@ -381,26 +383,46 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     sums64 = cuda.shared.array((HC_SUMS, BLOCK_WARPS), float64)
     tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
     tree32 = cuda.shared.array(BLOCK, float32)
+    # the thread's state values (j = tid, tid + nthr, ...: the order of its sums), read once for
+    # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row
+    vals = cuda.local.array(HC_MIX_VALS, float32)
+    srow = state[t, stream]
     sumsq = float64(0.0)
-    for j in range(tid, chunk_len, cuda.blockDim.x):
-        v = state[t, stream, d0 + j]
-        sumsq += float64(v) * float64(v)
+    for k in range(HC_MIX_VALS):
+        j = tid + k * nthr
+        vals[k] = srow[d0 + j] if j < chunk_len else float32(0.0)
+        if j < chunk_len:
+            sumsq += float64(vals[k]) * float64(vals[k])
     warp_partial(sumsq, sums64, HC_GRAM, tree64)
     for row in range(n_rows):
-        base = fn_off + row * n_hc * n_embd + start
+        wrow = fn_off + row * n_hc * n_embd + start
         dot = float32(0.0)
-        for j in range(tid, chunk_len, cuda.blockDim.x):
-            dot += float32(w16[base + j]) * state[t, stream, d0 + j]
+        for k in range(HC_MIX_VALS):
+            j = tid + k * nthr
+            if j < chunk_len:
+                dot += float32(w16[wrow + j]) * vals[k]
         warp_partial(dot, dots, row, tree32)
     n_pairs = n_hc * n_hc if with_gram else 0
-    span = n_embd // part_dot.shape[2]
-    for pair in range(n_pairs):
-        h_a = pair // n_hc
-        h_b = pair - h_a * n_hc
-        gram = float64(0.0)
-        for d in range(chunk * span + tid, (chunk + 1) * span, cuda.blockDim.x):
-            gram += float64(state[t, h_a, d]) * float64(state[t, h_b, d])
-        warp_partial(gram, sums64, pair, tree64)
+    if n_pairs:
+        span = n_embd // part_dot.shape[2]
+        gram = cuda.local.array(HC_GRAM, float64)
+        x_h = cuda.local.array(HC_MAX, float32)
+        for pair in range(HC_GRAM):
+            gram[pair] = float64(0.0)
+        # loops swapped against hc_mix_partial (d outside, pairs inside): each pair still adds its
+        # products in increasing d, so the same sums; the n_hc values at d are read once
+        for d in range(chunk * span + tid, (chunk + 1) * span, nthr):
+            for h in range(HC_MAX):
+                if h < n_hc:
+                    x_h[h] = state[t, h, d]
+            for pair in range(HC_GRAM):
+                if pair < n_pairs:
+                    h_a = pair // n_hc
+                    h_b = pair - h_a * n_hc
+                    gram[pair] += float64(x_h[h_a]) * float64(x_h[h_b])
+        for pair in range(HC_GRAM):
+            if pair < n_pairs:
+                warp_partial(gram[pair], sums64, pair, tree64)
     cuda.syncthreads()
     if tid < n_rows:
         part_dot[t, tid, chunk] = sum_warps(dots, tid)
