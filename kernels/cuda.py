@@ -3,7 +3,7 @@
 Weights are addressed as (arena, byte_offset): ``arena`` is a 1-D uint8 device array (the VRAM
 image of the model, or an expert-cache slab) and the offset is an int that stays constant per call
 site. Activations, outputs and scratch are device arrays the caller owns: the launch functions
-allocate nothing, never synchronise, and take per-token values (expert ids, route weights, expert
+allocate nothing (moe_prefill, not graph-ready, keeps its scratch from the first call), never synchronise, and take per-token values (expert ids, route weights, expert
 addresses) from device buffers, so a decode step can be captured into a CUDA graph.
 
 Numerics (ds4-model.md §5.1): activations are quantized exactly like the CPU twins (bit-identical
@@ -17,6 +17,8 @@ Layout facts the kernels rely on (checked by the launch functions):
   * Q8_0 and IQ2_XXS blocks (34 B, 66 B) are only 2-byte aligned: they are read as uint16 and
     32-bit words are assembled from halves. Offsets and row sizes must be even.
   * Q2_K, Q4_K and F16 rows are read as uint32: offsets and row sizes must be multiples of 4.
+  * The tensor-core kernels read quantized activations as 8-byte words (device allocations are
+    256-byte aligned and every slice the engine passes starts at a multiple of 32 values).
 """
 
 from . import compat  # noqa: F401  (numpy>=2.5 shim, before numba.cuda compiles anything)

@@ -155,10 +155,11 @@ class HostQuantKernels:
     @staticmethod
     def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
                     clamp, out, stream=0):
-        """Each token as moe_decode (the GPU kernel's rows are bitwise moe_decode's)."""
+        """Each token as moe_decode (the GPU kernel's rows are bitwise moe_decode's); ids and table
+        on the host or (resident experts: grouped on the device) both on the device."""
         a = _host_arena(arena)
-        table = np.asarray(expert_table, np.int64)
-        ids = np.asarray(expert_ids, np.int32)
+        table = _host(expert_table).astype(np.int64)
+        ids = _host(expert_ids).astype(np.int32)
         x = _host(X).astype(np.float32).reshape(-1, n_embd)
         rw = _host(route_w).reshape(x.shape[0], -1)
         res = np.stack([HostQuantKernels._moe_token(a, table[ids[t]], gate_type, down_type, x[t], rw[t],
