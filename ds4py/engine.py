@@ -35,7 +35,7 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
         return Loaded(CpuEngine(model, source, n_ctx=weights.n_ctx), source, decision, "cpu")
     from ds4py.forward_cuda import CudaEngine
     try:
-        engine = CudaEngine(model, source, weights.n_ctx)
+        engine = CudaEngine(model, source, weights.n_ctx, prefill_chunk=weights.prefill_chunk)
     except Exception as e:                 # numba's CudaAPIError for an allocation, mostly
         source.close()
         if "OUT_OF_MEMORY" in str(e) or "out of memory" in str(e).lower():

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ds4py.errors import Ds4Error
+from ds4py.options import DEFAULT_PREFILL_CHUNK
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
 from ds4py.kernels import cuda_ops as ops
@@ -179,7 +180,7 @@ class CudaEngine:
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
 
-    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = 512):
+    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx

@@ -42,6 +42,8 @@ _WEIGHT_ALIASES = {"pagecache": "page-cache", "page_cache": "page-cache", "direc
 DEFAULT_CTX = 32768                 # ds4's -c/--ctx default; KV is 0.44 GiB there on the q2 model
 MAX_CTX = 1 << 20                   # DeepSeek-V4's 1M-token context
 COPY_CHUNK_MB_RANGE = (16, 4096)    # ds4's clamp for DS4_CUDA_MODEL_COPY_CHUNK_MB
+DEFAULT_PREFILL_CHUNK = 512         # tokens per GPU prefill chunk (ds4: 4096); the H200 measurements use 512
+MAX_PREFILL_CHUNK = 4096            # ds4's default, the chunk io/detect.py budgets VRAM scratch for
 
 
 # ---- value parsers (each raises Ds4Error with the option's name) -----------------------------------
@@ -164,6 +166,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("n_ctx", "--ctx", "DS4PY_CTX", "value", DEFAULT_CTX, "N",
         "Context length to allocate (tokens; 32k = 32768); sizes the KV cache the detector budgets for.",
         _parse_int("--ctx", 1, MAX_CTX)),
+    Opt("prefill_chunk", "--prefill-chunk", "DS4PY_PREFILL_CHUNK", "value", DEFAULT_PREFILL_CHUNK, "N",
+        "Tokens per GPU prefill chunk (ds4's --prefill-chunk): larger chunks give the grouped experts "
+        "fuller tensor-core tiles and need more VRAM scratch.",
+        _parse_int("--prefill-chunk", 1, MAX_PREFILL_CHUNK)),
     Opt("warm_weights", "--warm-weights", "DS4PY_WARM_WEIGHTS", "bool", False, "",
         "Fault the whole file into the page cache before loading (MADV_POPULATE_READ, with progress)."),
     Opt("io_threads", "--io-threads", "DS4PY_IO_THREADS", "value", 0, "N",
@@ -187,6 +193,7 @@ class WeightOptions:
     expert_cache: tuple[str, int] | None = None
     ram_budget: int | None = None
     n_ctx: int = DEFAULT_CTX
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     warm_weights: bool = False
     io_threads: int = 0
     sources: dict[str, str] = field(default_factory=dict)   # dest -> "flag" | "env" | "default"

@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (default: ds4py's)")
     args = ap.parse_args()
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -58,7 +59,8 @@ def main():
     from ds4py.engine import open_engine
     from ds4py.options import WeightOptions
     t0 = time.time()
-    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx), progress=False)     # the detector decides
+    chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
+    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx, **chunk), progress=False)     # the detector decides
     source, engine = loaded.source, loaded.engine
     results["load"] = dict(seconds=time.time() - t0, regime=source.regime, counters=source.counters.as_dict())
     t0 = time.time()

@@ -83,6 +83,10 @@ def test_value_forms():
     assert o.from_env({}, gpu_resident=True).to_request().weights == "device"
     with pytest.raises(Ds4Error, match="--ctx"):
         o.from_env({}, n_ctx=str(o.MAX_CTX + 1))
+    assert o.from_env({"DS4PY_PREFILL_CHUNK": "1k"}).prefill_chunk == 1024
+    assert o.from_env({}).prefill_chunk == o.DEFAULT_PREFILL_CHUNK
+    with pytest.raises(Ds4Error, match="--prefill-chunk"):
+        o.from_env({}, prefill_chunk=str(o.MAX_PREFILL_CHUNK + 1))
 
 
 def test_copy_chunk_is_clamped_like_ds4():
