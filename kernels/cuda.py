@@ -31,10 +31,25 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
+
+# numba's CUDA simulator takes neither forceinline nor max_registers: there these two drop them,
+# so the kernels here can be checked in the simulator too (those using mma_s8, a warp-wide
+# instruction it lacks, excepted). On a GPU they are exactly the options they name.
+if SIMULATOR:
+    _inline = cuda.jit(device=True)
+
+    def _jit_capped(max_regs):
+        return cuda.jit
+else:
+    _inline = cuda.jit(device=True, forceinline=True)
+
+    def _jit_capped(max_regs):
+        """cuda.jit with a register cap (0: none)."""
+        return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
 
 # Array indices in the hot loops are cast to unsigned: numba then skips its negative-index
 # wraparound code (3-4 extra instructions per load).
@@ -50,7 +65,7 @@ _LOW4 = np.uint32(0x0F0F0F0F)
 # Warp helpers
 # ============================================================================================
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _sum_lanes_of_8_i32(v):
     """Integer sum over the 8 lanes that share a super-block (lane bits 0..2)."""
     v = int32(v + cuda.shfl_xor_sync(FULL_MASK, v, 1))
@@ -59,7 +74,7 @@ def _sum_lanes_of_8_i32(v):
     return v
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _sum_groups_of_8_f32(v):
     """f32 sum over the 4 groups of 8 lanes (lane bits 4, then 3): a fixed butterfly."""
     v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -67,7 +82,7 @@ def _sum_groups_of_8_f32(v):
     return v
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _u16pair(a16, h):
     """32-bit word from two uint16 at halfword index h (little endian)."""
     return uint32(a16[_ix(h)]) | (uint32(a16[_ix(h + 1)]) << uint32(16))
@@ -269,7 +284,7 @@ def _dense_split(rows, chunks):
 def _make_finish(S, T):
     """Write the row results: directly (S == 1) or after adding the S warp partials in order."""
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld):
         if S == 1:
             if lane == 0 and row < rows:
@@ -309,7 +324,7 @@ def _make_q8_0_chunk(T, U):
     """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
     each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
         q0 = cuda.local.array(U, uint32)
         q1 = cuda.local.array(U, uint32)
@@ -418,7 +433,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
     NE = 4 * _MMA_NT
     SC = 4 * NE * 32
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def meet(acc, comb, warp, lane, src_lo, n_src):
         """Warps src_lo .. src_lo + n_src - 1 hand their sums over; warps 0 .. n_src - 1 add them."""
         cuda.syncthreads()
@@ -430,7 +445,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
             for i in range(NE):
                 acc[i] = acc[i] + comb[(warp * NE + i) * 32 + lane]
 
-    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+    jit = _jit_capped(max_regs)
 
     @jit
     def q8_0_rows_mma(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a):
@@ -506,7 +521,7 @@ def _f16_kernel(S, T, R=1):
     RT = R * T
     finish = _make_finish(S, T)
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
         if valid:
             for r in range(R):
@@ -710,7 +725,7 @@ def _pad_words(K):
 def _make_load_iq2_xxs():
     NWORDS = 3
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def load(a16, a32, roff, sb, j, valid, raw, o):
         raw[o] = uint32(0)
         raw[o + 1] = uint32(0)
@@ -729,7 +744,7 @@ def _make_compute_iq2_xxs(T, x_regs=False):
     dots them with each token's 32 activation bytes (padded shared-memory layout; with x_regs,
     one token whose words for step u are the lane's registers xsrc[xu = 8u ..])."""
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         wv = cuda.local.array(8, uint32)
@@ -766,7 +781,7 @@ def _make_compute_iq2_xxs(T, x_regs=False):
 def _make_load_q2_k():
     NWORDS = 8
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def load(a16, a32, roff, sb, j, valid, raw, o):
         for i in range(8):
             raw[o + i] = uint32(0)
@@ -785,7 +800,7 @@ def _make_load_q2_k():
 def _make_compute_q2_k(T):
     """Lane j owns qs words j and 8+j: 32 weights (4 shifts x 2 halves x 4 bytes)."""
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         hj = j >> 2                      # which 16-weight half of each 32-weight chunk
@@ -823,7 +838,7 @@ def _make_compute_q2_k(T):
 def _make_load_q4_k():
     NWORDS = 8
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def load(a16, a32, roff, sb, j, valid, raw, o):
         for i in range(8):
             raw[o + i] = uint32(0)
@@ -840,7 +855,7 @@ def _make_load_q4_k():
 def _make_compute_q4_k(T):
     """Lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         scl = cuda.local.array(8, int32)
@@ -903,7 +918,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCH * NWORDS
 
-    @cuda.jit(device=True, forceinline=True)
+    @_inline
     def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
         lane = cuda.laneid
         q = lane >> 3
@@ -948,7 +963,7 @@ def _stages_x(wtype):
     return wtype == F.IQ2_XXS
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
     for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
         grid_s[i] = grid_g[i]
@@ -956,7 +971,7 @@ def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
         ks_s[i] = ks_g[i]
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _stage_row(xs, dst, xq32, src, k4):
     """Copy k4 activation words from xq32[src:] into the padded shared layout at xs[dst:]."""
     for p in range(cuda.threadIdx.x, k4, cuda.blockDim.x):
@@ -1113,7 +1128,7 @@ _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _R_DOWN = 1          # (row, slot) units per warp in the down decode kernel (1: 23.1 us, 2: 29.0, 3: 24.5 on the H200)
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _swiglu(g, u, clamp, w):
     g = min(g, clamp)
     u = max(min(u, clamp), -clamp)
@@ -1134,7 +1149,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
     NX = 8 * NCH
-    jit = cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+    jit = _jit_capped(max_regs)
 
     @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
@@ -1510,7 +1525,7 @@ def _moe_down_tiles_mma_kernel(NH=1):
     return moe_down_tiles_mma
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _q2_times(a32, w, qword, shift, scale):
     """Four Q2_K weights (qs word `qword` of the block at word w, bits `shift`) times their
     sub-block's 4-bit scale: bytes <= 3 x 15, so no carry between them."""
@@ -1518,7 +1533,7 @@ def _q2_times(a32, w, qword, shift, scale):
     return uint32(q2 * scale)
 
 
-@cuda.jit(device=True, forceinline=True)
+@_inline
 def _iq2_entry(grid_s, ks_s, aux0, aux1, l):
     """The 8 signed weights of IQ2_XXS group l (grid index byte l of aux0, sign index bits 7l.. of
     aux1) as two int8x4 words (weights 0..3, 4..7): one grid and one sign lookup for both."""

@@ -1,4 +1,5 @@
-"""The non-quant CUDA ops checked in Numba's CUDA simulator against the float64 reference.
+"""The non-quant CUDA ops checked in Numba's CUDA simulator against the float64 reference (and
+moe_prefill's device grouping against its host form).
 
 Run by test_cuda_ops_sim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (the simulator must be
 chosen before numba is imported). Each check draws fresh random inputs and compares with the
@@ -432,6 +433,35 @@ def check_glue():
     print("ok  argmax (ties to the lower index, forbidden token skipped)")
 
 
+def check_group_tiles():
+    """kernels/cuda.py's one-block grouping (_tiles_on_device) against group_tiles on the host: the
+    same tiles (expert offsets, counts), the same (token, slot) pairs per expert (their order inside
+    an expert's group follows the atomics), zeros past each count, count 0 past the used tiles."""
+    from ds4py.kernels import cuda as qk
+    n_tok, n_used, n_exp = 37, 6, 40
+    ids = np.stack([rng.choice(n_exp, n_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 5                                  # one expert in every token: several full tiles
+    table = np.arange(n_exp * 3, dtype=np.int64).reshape(n_exp, 3) * 1000
+    for T in (4, 8, 16):
+        off_h, tok_h, slot_h, cnt_h = qk.group_tiles(ids, table, T)
+        off_d, tok_d, slot_d, cnt_d = (a.copy_to_host() for a in
+                                       qk._tiles_on_device(cuda.to_device(ids), cuda.to_device(table), T, 0))
+        n = len(cnt_h)
+        ok = np.array_equal(cnt_d[:n], cnt_h) and not cnt_d[n:].any() and \
+            np.array_equal(off_d[:3 * n].reshape(n, 3), off_h)
+        tok_d, slot_d = tok_d[:n * T].reshape(n, T), slot_d[:n * T].reshape(n, T)
+        for e in np.unique(ids):
+            tiles = np.where(off_h[:, 0] == table[e, 0])[0]
+            pairs_h = sorted((tok_h[r, j], slot_h[r, j]) for r in tiles for j in range(cnt_h[r]))
+            pairs_d = sorted((tok_d[r, j], slot_d[r, j]) for r in tiles for j in range(cnt_d[r]))
+            ok = ok and pairs_h == pairs_d and all(not tok_d[r, cnt_d[r]:].any() and not slot_d[r, cnt_d[r]:].any()
+                                                   for r in tiles)
+        print(f"{'ok ' if ok else 'BAD'} moe_prefill grouping on the device, tiles of {T}: {n} tiles "
+              f"as group_tiles")
+        if not ok:
+            raise SystemExit(1)
+
+
 if __name__ == "__main__":
     import time
     t0 = time.time()
@@ -448,4 +478,5 @@ if __name__ == "__main__":
     check_indexer_select()
     check_indexer_scores()
     check_route()
+    check_group_tiles()
     print("all cuda_ops simulator checks passed")
