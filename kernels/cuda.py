@@ -83,6 +83,13 @@ def _sum_groups_of_8_f32(v):
 
 
 @_inline
+def _pair_row(row, rows_a, start_a, start_b, stride):
+    """Where row `row` of a two-matrix launch starts (in the caller's units): rows below rows_a are
+    matrix a's, the others matrix b's."""
+    return start_a + row * stride if row < rows_a else start_b + (row - rows_a) * stride
+
+
+@_inline
 def _u16pair(a16, h):
     """32-bit word from two uint16 at halfword index h (little endian)."""
     return uint32(a16[_ix(h)]) | (uint32(a16[_ix(h + 1)]) << uint32(16))
@@ -382,7 +389,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
         if row < rows:                      # warp-uniform
             # rows past rows_a belong to a second matrix (two matrices, one launch); with
             # x_group_rows < rows (decode only), row group k reads the k-th slice of x
-            hrow = row_h0 + row * row_h if row < rows_a else row_h0_b + (row - rows_a) * row_h
+            hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
             x_tok = tok0 + row // x_group_rows
             nchunks = ((nb + 7) // 8 + U - 1) // U
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
@@ -459,8 +466,8 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
         tok0 = cuda.blockIdx.y * (8 * _MMA_NT)
         r_lo = min(row0 + gid, rows - 1)              # a short last tile repeats a row
         r_hi = min(row0 + gid + 8, rows - 1)
-        h_lo = row_h0 + r_lo * row_h if r_lo < rows_a else row_h0_b + (r_lo - rows_a) * row_h
-        h_hi = row_h0 + r_hi * row_h if r_hi < rows_a else row_h0_b + (r_hi - rows_a) * row_h
+        h_lo = _pair_row(r_lo, rows_a, row_h0, row_h0_b, row_h)
+        h_hi = _pair_row(r_hi, rows_a, row_h0, row_h0_b, row_h)
         words = 4 * nb                                # int64 words per token of xq
         nchunks = ((nb + 7) // 8 + U - 1) // U
         acc = cuda.local.array(NE, float32)
@@ -553,7 +560,7 @@ def _f16_kernel(S, T, R=1):
             acc[i] = float32(0.0)
         for r in range(R):
             row = min(row_first + r, rows - 1)       # rows past the end repeat the last (not written)
-            wrow[r] = row_w0 + row * row_w if row < rows_a else row_w0_b + (row - rows_a) * row_w
+            wrow[r] = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
         if row_first < rows:
             nfull = npairs >> 5
             for step in range(w, nfull, S):
@@ -1890,10 +1897,18 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     if mma is None:
         mma = _USE_MMA
     mma_gu, mma_dn = mma and gate_type == F.IQ2_XXS, mma and down_type == F.Q2_K
-    # the tile lists each kernel kind needs (grouped once per call)
-    tiles = group(ids, table, T, s) if not (mma_gu and mma_dn) else None
-    gu_tiles = group(ids, table, 8 * _MMA_HALVES_GU, s) if mma_gu else None
-    mma_tiles = group(ids, table, 8 * _MMA_HALVES_DN, s) if mma_dn else None
+    # the tile lists each kernel kind needs, grouped once per tile size (gate/up and down share
+    # one when their tiles are the same size)
+    grouped = {}
+
+    def tiles_of(size):
+        if size not in grouped:
+            grouped[size] = group(ids, table, size, s)
+        return grouped[size]
+
+    tiles = tiles_of(T) if not (mma_gu and mma_dn) else None
+    gu_tiles = tiles_of(8 * _MMA_HALVES_GU) if mma_gu else None
+    mma_tiles = tiles_of(8 * _MMA_HALVES_DN) if mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
     a16, a32, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()

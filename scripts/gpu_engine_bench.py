@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from ds4py.options import DEFAULT_PREFILL_CHUNK
+
 
 def log(*a):
     print(*a, flush=True)
@@ -27,7 +29,7 @@ def main():
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--skip-cpu", action="store_true")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (default: ds4py's)")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="tokens per prefill chunk")
     args = ap.parse_args()
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -59,8 +61,8 @@ def main():
     from ds4py.engine import open_engine
     from ds4py.options import WeightOptions
     t0 = time.time()
-    chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
-    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx, **chunk), progress=False)     # the detector decides
+    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx, prefill_chunk=args.prefill_chunk),
+                         progress=False)                         # the detector decides
     source, engine = loaded.source, loaded.engine
     results["load"] = dict(seconds=time.time() - t0, regime=source.regime, counters=source.counters.as_dict())
     t0 = time.time()
