@@ -35,7 +35,8 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
         return Loaded(CpuEngine(model, source, n_ctx=weights.n_ctx), source, decision, "cpu")
     from ds4py.forward_cuda import CudaEngine
     try:
-        engine = CudaEngine(model, source, weights.n_ctx, prefill_chunk=weights.prefill_chunk)
+        engine = CudaEngine(model, source, weights.n_ctx, prefill_chunk=weights.prefill_chunk,
+                            pdl=not weights.no_pdl)
     except Exception as e:                 # numba's CudaAPIError for an allocation, mostly
         source.close()
         if "OUT_OF_MEMORY" in str(e) or "out of memory" in str(e).lower():

@@ -180,7 +180,8 @@ class CudaEngine:
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
 
-    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, model, source, n_ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 pdl: bool = True):
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx
@@ -194,6 +195,7 @@ class CudaEngine:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
                            f"{ops.ATTN_MAX_DIM}")
         self.use_graphs = not numba_config.ENABLE_CUDASIM
+        self.pdl = pdl                  # captured graphs with programmatic kernel -> kernel edges
         self.stream = self.main_stream = cuda.stream()
         # Side streams for launches that do not depend on the main chain, forked from and joined
         # back into the main stream with events, so the captured step has parallel branches and the
@@ -661,7 +663,7 @@ class CudaEngine:
         segments = self._segments()
         resident = self.experts_resident
         if resident:
-            graph = CapturedGraph(self.stream)
+            graph = CapturedGraph(self.stream, programmatic=self.pdl)
             with graph:
                 for seg in segments:
                     seg()
@@ -669,7 +671,7 @@ class CudaEngine:
         else:
             self._graphs = []
             for seg in segments:
-                graph = CapturedGraph(self.stream)
+                graph = CapturedGraph(self.stream, programmatic=self.pdl)
                 with graph:
                     seg()
                 self._graphs.append(graph)
@@ -807,13 +809,21 @@ class CudaEngine:
             end.record(self.stream)
             end.synchronize()
             return cuda.event_elapsed_time(start, end) / reps
-        result = {"step_ms": time_graph(full), "nodes": full.n_nodes}
-        for group in self.GROUPS:
-            self.skip = {group}
-            graph = CapturedGraph(self.stream)
+
+        def capture(programmatic: bool) -> CapturedGraph:
+            graph = CapturedGraph(self.stream, programmatic=programmatic)
             with graph:
                 for seg in self._segments():
                     seg()
+            return graph
+        result = {"step_ms": time_graph(full), "nodes": full.n_nodes,
+                  "programmatic_edges": full.programmatic_edges}
+        other = capture(not self.pdl)           # the same step with the other kind of edges
+        result["step_ms_pdl_off" if self.pdl else "step_ms_pdl_on"] = time_graph(other)
+        other.close()
+        for group in self.GROUPS:
+            self.skip = {group}
+            graph = capture(self.pdl)
             result[group] = result["step_ms"] - time_graph(graph)
             graph.close()
         self.skip = set()

@@ -170,6 +170,9 @@ OPTIONS: tuple[Opt, ...] = (
         "Tokens per GPU prefill chunk (ds4's --prefill-chunk): larger chunks give the grouped experts "
         "fuller tensor-core tiles and need more VRAM scratch.",
         _parse_int("--prefill-chunk", 1, MAX_PREFILL_CHUNK)),
+    Opt("no_pdl", "--no-pdl", "DS4PY_NO_PDL", "bool", False, "",
+        "Replay the GPU decode graph with ordinary edges. By default (sm_90+) each kernel is launched "
+        "while the one before it finishes (programmatic dependent launch)."),
     Opt("warm_weights", "--warm-weights", "DS4PY_WARM_WEIGHTS", "bool", False, "",
         "Fault the whole file into the page cache before loading (MADV_POPULATE_READ, with progress)."),
     Opt("io_threads", "--io-threads", "DS4PY_IO_THREADS", "value", 0, "N",
@@ -194,6 +197,7 @@ class WeightOptions:
     ram_budget: int | None = None
     n_ctx: int = DEFAULT_CTX
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    no_pdl: bool = False
     warm_weights: bool = False
     io_threads: int = 0
     sources: dict[str, str] = field(default_factory=dict)   # dest -> "flag" | "env" | "default"

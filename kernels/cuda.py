@@ -31,7 +31,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -102,6 +102,7 @@ def _u16pair(a16, h):
 @cuda.jit
 def _quantize_q8_0_kernel(x, q, d, nblocks):
     """One warp per 32-value block, one lane per value."""
+    pdl_enter()
     b = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
     lane = cuda.threadIdx.x % WARP
     if b >= nblocks:
@@ -122,6 +123,7 @@ def _quantize_q8_0_kernel(x, q, d, nblocks):
 @cuda.jit
 def _quantize_q8_k_kernel(x, q, d, bsums, nblocks):
     """One warp per 256-value block; lane l holds values 8l..8l+7."""
+    pdl_enter()
     b = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
     lane = cuda.threadIdx.x % WARP
     if b >= nblocks:
@@ -375,6 +377,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a,
                   x_group_rows):
+        pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -456,6 +459,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
 
     @jit
     def q8_0_rows_mma(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a):
+        pdl_enter()
         comb = cuda.shared.array(SC, float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -545,6 +549,7 @@ def _f16_kernel(S, T, R=1):
 
     @cuda.jit
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
+        pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -996,6 +1001,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
 
     @cuda.jit
     def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1161,6 +1167,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
     @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1212,6 +1219,7 @@ def _moe_down_decode_kernel(wtype, NCH, R):
     @cuda.jit
     def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
                         grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         part = cuda.shared.array(UPB, float32)
@@ -1267,6 +1275,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     @cuda.jit
     def moe_gate_up_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd,
                           xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1330,6 +1339,7 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
     @cuda.jit
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
                               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         tile = cuda.blockIdx.y
@@ -1429,6 +1439,7 @@ def _moe_down_tiles_mma_kernel(NH=1):
     @cuda.jit
     def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq64, md, mbs, nsb, rb,
                            n_embd, pair_out):
+        pdl_enter()
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
         if cnt <= 0:                                   # block-uniform
@@ -1558,6 +1569,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
     @cuda.jit
     def moe_down_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs,
                        nsb, rb, n_embd, pair_out, grid_g, ks_g):
+        pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1599,6 +1611,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
 @cuda.jit
 def _moe_sum_kernel(pair_out, n_tok, n_used, n_embd, out):
     """out[t, r] = sum over slots k (in order) of pair_out[t*n_used + k, r], as decode adds them."""
+    pdl_enter()
     i = cuda.grid(1)
     if i >= n_tok * n_embd:
         return
@@ -1613,6 +1626,7 @@ def _moe_sum_kernel(pair_out, n_tok, n_used, n_embd, out):
 @cuda.jit
 def _expert_offsets_kernel(expert_ids, n_used, base_gate, base_up, base_down, stride_gu,
                            stride_down, slot_offsets):
+    pdl_enter()
     k = cuda.grid(1)
     if k < n_used:
         e = int64(expert_ids[k])
@@ -1800,6 +1814,7 @@ def _group_tiles_kernel(ids, n_pairs, n_used, n_exp, table, T, rank, tile_off, t
     tokens: each pair's numbers are computed on their own and summed per token in slot order
     (_moe_sum_kernel), so the outputs do not depend on it. Tiles past the used ones get count 0
     (the tile kernels return at once)."""
+    pdl_enter()
     count = cuda.shared.array(_GROUP_MAX_EXP, int32)
     first = cuda.shared.array(_GROUP_MAX_EXP, int32)
     used = cuda.shared.array(1, int32)

@@ -14,6 +14,13 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
+* ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
+  wait until the grids this one depends on have finished and their writes are visible
+  (griddepcontrol.wait), then let the grids that depend on this one be launched now
+  (griddepcontrol.launch_dependents), so their blocks are resident and waiting when this grid
+  ends instead of being launched after it. Both are no-ops for a grid launched without a
+  programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
+  Nothing is emitted for GPUs before sm_90.
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -28,6 +35,17 @@ import numpy as np
 from numba import cuda
 
 SIMULATOR = bool(getattr(cuda.config, "ENABLE_CUDASIM", False))
+
+
+def _pdl_supported() -> bool:
+    """griddepcontrol exists from sm_90 on; compiles with no GPU (scripts/check_cuda_compile.py)
+    target sm_90."""
+    try:
+        from numba.cuda.cudadrv import devices
+        return tuple(devices.get_context().device.compute_capability) >= (9, 0)
+    except Exception:
+        return True
+
 
 if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
@@ -57,6 +75,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
                 b = (-b) & 0xFF
             out |= b << (8 * k)
         return np.uint32(out)
+
+    def pdl_enter():
+        return None
 
 else:
     from llvmlite import ir
@@ -160,5 +181,18 @@ else:
                    "and.b32 m, m, 0x01010101; "
                    "add.u32 $0, o, m; }")
             return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def pdl_enter(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, signature, args):
+            if _pdl_supported():
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                asm = "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"
+                builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
 
         return sig, codegen

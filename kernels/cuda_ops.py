@@ -30,6 +30,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
+from ds4py.kernels.cuda_intrinsics import pdl_enter
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -264,6 +265,7 @@ def quantize_q8_0_block_values(vals, q_out, d_out):
 @cuda.jit(cache=True)
 def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
     """state[t, h] = f16->f32(token_embd[token t]) for every HC stream (§6.1); token t = blockIdx.y."""
+    pdl_enter()
     t = cuda.blockIdx.y
     token = token_buf[t]
     for i in range(cuda.grid(1), n_embd, cuda.gridsize(1)):
@@ -291,6 +293,7 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
     streams, G[h][h'] = Σ_d X_h[d]·X_h'[d], in double, as partials over n_chunks equal d-ranges
     (part_gram [T, n_hc², chunks]): with it hc_pre knows Σy² of y = Σ a_h X_h (= Σ a_h a_h' G)
     before it has y, so its collapse needs no block-wide reduction and spreads over many blocks."""
+    pdl_enter()
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     t = cuda.blockIdx.z
@@ -370,6 +373,7 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     small blocks was 18 % of a 512-token prefill (1.8 ms per launch, ncu on the H200). The same
     per-thread order and block_sum's warp-then-warp-order sums, so the partials equal
     hc_mix_partial's bit for bit (decode keeps that kernel: one token needs its wider grid)."""
+    pdl_enter()
     chunk = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -439,6 +443,7 @@ def hc_post(state, f_a, f_b, post, comb):
     [T, n_hc²]. (Fused with the next mixer's partial dots it was slower, twice: 17 us per launch
     against 5.5 + 6 (session 2), and an out-of-place version over the mixer's grid 15.9 us against
     5.4 + 7.8, whole step +0.3 ms (session 3); ncu and leave-one-out on the H200.)"""
+    pdl_enter()
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
     old = cuda.local.array(16, float32)
@@ -637,6 +642,7 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
     x = y · rsqrt(Σy²/n + eps) · w (Σy² = Σ a_h a_h' G[h][h'] from the mixer's Gram partials),
     and x quantized to Q8_0, a warp per 32-value block. A thread's state and norm loads are
     issued before it waits for the mixer sums. Per-token rows: state[t], part_dot[t], x_out[t]..."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
@@ -692,6 +698,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
     """Output-head collapse (§6.12): a_h = sigmoid(pre_h·scale + base_h) + eps, e = Σ a_h X[h],
     z = RMSNorm(e)·output_norm, quantized to Q8_0 for the output matvec. Token t = blockIdx.y
     (prefill runs it on the last token only, as a T = 1 view of the state)."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
@@ -709,6 +716,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization: one block per token (grid (1, T)), on
     rows x[t] of [T, n] arrays."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     n = x.shape[1]
@@ -815,6 +823,7 @@ def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
     pushed into the raw ring at pos mod capacity. One block per token (grid (1, T)): row kv[t] at
     position pos_buf[t] (kv [T, head_dim] is normalised in place)."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     kv = kv_all[t]
@@ -841,6 +850,7 @@ def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
 def q_heads(q_all, head_dim, n_rot, eps, pos_buf, freqs):
     """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). Block (head, token): q_all
     is [T, n_head·head_dim], token t at position pos_buf[t]."""
+    pdl_enter()
     head = cuda.blockIdx.x
     t = cuda.blockIdx.y
     q = q_all[t]
@@ -948,6 +958,7 @@ def compressor_step(kv_t, sc_t, w16, ape_off, w32, norm_off, eps, pos_buf, ratio
     the nope dims, the indexer lane with Hadamard + FP4 on the whole row; both round the row to
     f16 before caching it. (The decode step's form; a prefill chunk uses the three compressor_chunk
     kernels, which give the same rows and state.)"""
+    pdl_enter()
     pooled = cuda.shared.array(512, float32)
     win_rows = cuda.shared.array(COMP_MAX_RATIO, int32)
     scratch64 = cuda.shared.array(BLOCK2, float64)
@@ -981,6 +992,7 @@ def chunk_row_of(p, pos0, n_state, ratio):
 @cuda.jit(cache=True)
 def compressor_chunk_stage(kv_t, sc_t, w16, ape_off, pos0, ratio, kv_state, score_state, ext_kv, ext_sc):
     """Block i: ext row i = state row i (i < S), or chunk token i - S with its APE added."""
+    pdl_enter()
     i = cuda.blockIdx.x
     n_state, width = kv_state.shape
     for j in range(cuda.threadIdx.x, width, cuda.blockDim.x):
@@ -999,6 +1011,7 @@ def compressor_chunk_rows(ext_kv, ext_sc, n_state, pos0, ratio, head_dim, w32, n
                           indexer_lane, cache):
     """Block k pools the k-th window ending in the chunk (at position e0 + k·ratio) into its cache
     row, as compressor_token does."""
+    pdl_enter()
     pooled = cuda.shared.array(512, float32)
     win_rows = cuda.shared.array(COMP_MAX_RATIO, int32)
     scratch64 = cuda.shared.array(BLOCK2, float64)
@@ -1023,6 +1036,7 @@ def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_s
     """The state the token-by-token kernel leaves after the chunk: the current window's rows hold
     its tokens so far, the rest the window before (for ratio 4 also copied to rows 0..3 when it
     ended in the chunk). Thread per column; reads only ext, so no ordering hazard."""
+    pdl_enter()
     j = cuda.grid(1)
     n_state, width = kv_state.shape
     if j >= width:
@@ -1049,6 +1063,7 @@ def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_s
 def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
     """Indexer query heads: RoPE on the tail, then Hadamard + FP4. Block (head, token) on
     iq_all [T, n_ihead·idx_dim]."""
+    pdl_enter()
     head = cuda.blockIdx.x
     t = cuda.blockIdx.y
     iq = iq_all[t]
@@ -1063,6 +1078,7 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): block (row c, token t), one thread per
     head (the row staged in shared memory); iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead],
     scores_all [T, rows]. Blocks past the rows emitted by the token's position return."""
+    pdl_enter()
     c = cuda.blockIdx.x
     t = cuda.blockIdx.y
     if c >= (pos_buf[t] + 1) // 4:
@@ -1121,6 +1137,7 @@ def indexer_select(score_bits_all, pos_buf, top_k, selected_all, n_selected):
     [t] of score_bits_all [T, rows] and selected_all [T, top_k], count n_selected[t]: an 8-bit
     radix select finds the k-th largest key, then a block scan compacts the winners in index
     order."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     score_bits = score_bits_all[t]
@@ -1459,6 +1476,7 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
     T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
     n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
     pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     warp = tid // 32
     group = cuda.blockIdx.x
@@ -1521,6 +1539,7 @@ def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, 
     contiguous for its matmul (with T = 1 it is simply the heads in order). The output's Q8_0
     quantization (out_q, out_d: what the output projection reads) is done here too: 16 lanes hold
     one 32-value block (head_dim % 32 == 0), which saves a launch on the critical path."""
+    pdl_enter()
     head = cuda.blockIdx.x
     t = cuda.blockIdx.z
     n_tok = cuda.gridDim.z
@@ -1648,6 +1667,7 @@ def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash
     base_offsets = (gate, up, down, gate stride, up stride, down stride) in bytes.
     One block per token (grid (1, T)): logits_all [T, n_exp], token_buf[t], expert_ids and
     route_w [T, n_used], slot_offsets [T, n_used, 3]."""
+    pdl_enter()
     t = cuda.blockIdx.y
     logits = logits_all[t]
     n_exp = logits.shape[0]
@@ -1704,6 +1724,7 @@ def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash
 def swiglu_q8(gate, up, clamp, mid, xq, xd):
     """Shared expert activation: silu(min(g, c))·clamp(u, ±c), then Q8_0. One block per token
     (grid (1, T)) on rows [t] of [T, n_ff] arrays."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     n = gate.shape[1]
@@ -1720,6 +1741,7 @@ def groups_to_tokens(src, n_group, width, dst):
     """dst[t·n_group·width + g·width + i] = src[(g·T + t)·width + i] (both flat): the grouped
     output projection's results (group-major, one matmul per group) as the token rows the next
     projection reads. Grid (x, T)."""
+    pdl_enter()
     t = cuda.blockIdx.y
     n_tok = cuda.gridDim.y
     for k in range(cuda.grid(1), n_group * width, cuda.gridDim.x * cuda.blockDim.x):
@@ -1734,6 +1756,7 @@ ARGMAX_BLOCKS = 128       # blocks of the first argmax pass (enough loads in fli
 def argmax_partial(logits, forbid, part_val, part_idx):
     """Greedy pick, first pass: block b finds the first maximal index of its strided share of the
     logits, skipping token forbid[0] (EOS in bench probes; -1 for none)."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     best_val = cuda.shared.array(BLOCK, float32)
     best_idx = cuda.shared.array(BLOCK, int32)
@@ -1754,6 +1777,7 @@ def argmax_partial(logits, forbid, part_val, part_idx):
 def argmax_finish(part_val, part_idx, out_token):
     """Greedy pick, second pass (one block of >= part_val.size threads): the first maximal index
     over the blocks' winners."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     best_val = cuda.shared.array(BLOCK, float32)
     best_idx = cuda.shared.array(BLOCK, int32)

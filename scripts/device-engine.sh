@@ -2,6 +2,7 @@
 # On the GPU machine: GPU tests, the engine benchmark, a per-kernel ncu profile of one decode step
 # and (optional) ncu counters of chosen kernels (moe: NCU_REGEX, NCU_COUNT). Everything lands in $OUT (8 files at most).
 # usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [kbench] [moe]
+# (BENCH_CHUNKS="1024 2048": the bench again at those prefill chunk sizes)
 source scripts/device-prelude.sh || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 parts=" $* "
@@ -14,6 +15,11 @@ fi
 if [[ $parts == *" bench "* ]]; then
   timeout ${BENCH_S:-300} python3 scripts/gpu_engine_bench.py --out $OUT $bench_args > $OUT/bench.log 2>&1
   grep -E "ceiling|profile|bench:|tok/s|page-cache|stream|done" $OUT/bench.log | tail -14
+  for c in ${BENCH_CHUNKS:-}; do      # the same bench at other prefill chunk sizes (log only)
+    timeout ${BENCH_S:-300} python3 scripts/gpu_engine_bench.py --out /tmp/bench_c$c $bench_args \
+      --prefill-chunk $c > $OUT/bench_c$c.log 2>&1
+    grep -E "bench:" $OUT/bench_c$c.log | sed "s/^/chunk $c: /"
+  done
 fi
 if [[ $parts == *" kernels "* ]]; then
   timeout ${KERNELS_S:-150} $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \

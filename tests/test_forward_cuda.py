@@ -79,7 +79,7 @@ def cpu_logits(model):
     return tokens, _decode_all(CpuEngine(model, n_ctx=256), tokens, CHECK_POSITIONS)
 
 
-def _engine(model, regime, n_ctx=256, **kw):
+def _engine(model, regime, n_ctx=256, pdl=True, **kw):
     from ds4py.forward_cuda import CudaEngine
     from ds4py.io import sources
     if regime == "device":
@@ -88,7 +88,7 @@ def _engine(model, regime, n_ctx=256, **kw):
         source = sources.PageCacheSource(model, expert_slots=kw.get("slots", 12), progress=False)
     else:
         source = sources.StreamSource(model, expert_slots=kw.get("slots", 12), progress=False)
-    return CudaEngine(model, source, n_ctx), source
+    return CudaEngine(model, source, n_ctx, pdl=pdl), source
 
 
 def test_gpu_logits_match_cpu_engine(model, cpu_logits):
@@ -196,3 +196,26 @@ def test_graph_replay_is_one_graph_when_resident(model):
     engine.decode(1)
     assert len(engine._graphs) == 1 and engine._graphs[0].n_nodes > 50
     source.close()
+
+
+@pytest.mark.parametrize("regime", ["device", "page-cache"])
+def test_programmatic_graph_equals_ordinary_graph(model, regime):
+    """Programmatic edges (PDL) change when kernels are launched, never what they compute: the
+    logits of 40 decoded tokens are bitwise those of the ordinary graph (a kernel that touched
+    memory before pdl_enter() would race its predecessor and differ)."""
+    from ds4py.kernels.graph import pdl_available
+    tokens = _tokens(40, seed=5)
+    plain, sp = _engine(model, regime, pdl=False)
+    fast, sf = _engine(model, regime, pdl=True)
+    for pos, tok in enumerate(tokens):
+        want = np.array(plain.decode(tok))
+        got = np.array(fast.decode(tok))
+        assert np.array_equal(got, want), f"position {pos}: max |Δ| {np.max(np.abs(got - want))}"
+    edges = sum(g.programmatic_edges for g in fast._graphs)
+    print(f"{regime}: {edges} programmatic edges in {len(fast._graphs)} graph(s)")
+    if pdl_available():
+        assert edges > 0, "sm_90+: the decode graph should have programmatic edges"
+    assert all(g.programmatic_edges == 0 for g in plain._graphs)
+    sp.close()
+    sf.close()
+

@@ -303,3 +303,36 @@ def test_moe_prefill_tiles_match_plain_grouping(n_tok, n_exp, T):
     want = _group_tiles_by_loops(ids, table, T)
     for name, g, w in zip(("offsets", "tokens", "slots", "counts"), got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w), name
+
+
+def _is_kernel_decorator(dec) -> bool:
+    """@cuda.jit, @cuda.jit(...), @jit, @wide_jit, @jit_for_threads(...): a kernel unless
+    device=True (device functions and @_inline helpers run inside a kernel that already waited)."""
+    import ast
+    call = dec if isinstance(dec, ast.Call) else None
+    target = call.func if call else dec
+    name = ast.unparse(target)
+    if "jit" not in name:
+        return False
+    return not (call and any(k.arg == "device" for k in call.keywords))
+
+
+def test_every_cuda_kernel_starts_with_pdl_enter():
+    """Decode graphs use programmatic edges: a kernel may be launched while its predecessor still
+    runs, so its first statement must be pdl_enter() (wait for the predecessors, then let the next
+    grid launch). A kernel without it would read its inputs before they are written."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    missing, found = [], 0
+    for path in (root / "cuda.py", root / "cuda_ops.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not any(map(_is_kernel_decorator, node.decorator_list)):
+                continue
+            found += 1
+            body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            first = body[0]
+            if not (isinstance(first, ast.Expr) and ast.unparse(first.value) == "pdl_enter()"):
+                missing.append(f"{path.name}:{node.lineno} {node.name}")
+    assert found >= 35, f"only {found} kernels found: the decorator scan is broken"
+    assert not missing, "kernels that do not start with pdl_enter(): " + ", ".join(missing)
