@@ -31,8 +31,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes,
-                              pdl_enter, pdl_launch, pdl_wait)
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -331,13 +330,14 @@ _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses t
 
 
 def _make_q8_0_chunk(T, U):
-    """U warp steps of a Q8_0 row for T tokens, in two parts: `load` fetches all U steps' weight
-    words (each lane has U*5 independent loads in flight: decode is latency-bound without that),
-    `use` dots them with the tokens' activations. Weights are never written, so a kernel may load
-    its first chunk before pdl_wait() and overlap that fetch with the kernel before it."""
+    """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
+    each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
 
     @_inline
-    def load(a16, hrow, step0, g, t, nb, q0, q1, wd):
+    def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
+        q0 = cuda.local.array(U, uint32)
+        q1 = cuda.local.array(U, uint32)
+        wd = cuda.local.array(U, float32)
         for u in range(U):
             b = (step0 + u) * 8 + g
             q0[u] = uint32(0)
@@ -348,9 +348,6 @@ def _make_q8_0_chunk(T, U):
                 wd[u] = f16_bits_to_f32(a16[_ix(hb)])
                 q0[u] = _u16pair(a16, hb + 1 + 4 * t)
                 q1[u] = _u16pair(a16, hb + 3 + 4 * t)
-
-    @_inline
-    def use(q0, q1, wd, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
         for tt in range(T):
             tok = tok0 + tt
             if T == 1 or tok < n_tok:          # warp-uniform
@@ -369,17 +366,18 @@ def _make_q8_0_chunk(T, U):
                     if valid:
                         acc[tt] = cuda.fma(wd[u] * xs, float32(isum), acc[tt])
 
-    return load, use
+    return chunk_fn
 
 
 def _q8_0_kernel(S, T, U=_Q8_0_U):
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    load, use = _make_q8_0_chunk(T, U)
+    chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a,
                   x_group_rows):
+        pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -391,25 +389,16 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
         acc = cuda.local.array(T, float32)
         for tt in range(T):
             acc[tt] = float32(0.0)
-        q0 = cuda.local.array(U, uint32)
-        q1 = cuda.local.array(U, uint32)
-        wd = cuda.local.array(U, float32)
-        # rows past rows_a belong to a second matrix (two matrices, one launch); with
-        # x_group_rows < rows (decode only), row group k reads the k-th slice of x
-        hrow = _pair_row(min(row, rows - 1), rows_a, row_h0, row_h0_b, row_h)
-        nchunks = ((nb + 7) // 8 + U - 1) // U
         if row < rows:                      # warp-uniform
-            load(a16, hrow, w * U, g, t, nb, q0, q1, wd)     # the first chunk, before the wait
-        pdl_wait()
-        pdl_launch()
-        if row < rows:
+            # rows past rows_a belong to a second matrix (two matrices, one launch); with
+            # x_group_rows < rows (decode only), row group k reads the k-th slice of x
+            hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
             x_tok = tok0 + row // x_group_rows
+            nchunks = ((nb + 7) // 8 + U - 1) // U
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
             for c in range(w, nchunks, S):
-                if c != w:
-                    load(a16, hrow, c * U, g, t, nb, q0, q1, wd)
-                use(q0, q1, wd, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
         for tt in range(T):
             v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -532,31 +521,22 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
-_F16_PF = 4    # steps of weights an F16 warp loads before pdl_wait()
 
 
 def _f16_kernel(S, T, R=1):
     """F16 x f32: a lane takes one pair of weights (one uint32) per step of each of the warp's R
     rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
     steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
-    only changes how often an activation is loaded: once per R rows. The warp's first _F16_PF
-    steps of weights are loaded before pdl_wait() (weights are never written)."""
+    only changes how often an activation is loaded: once per R rows."""
     RPB = _NW_DENSE // S   # row groups per block
     RT = R * T
-    PF = _F16_PF
-    PFR = PF * R
     finish = _make_finish(S, T)
 
     @_inline
-    def load(a32, wrow, p, valid, words, o):
-        for r in range(R):
-            words[o + r] = a32[_ix(wrow[r] + p)] if valid else uint32(0)
-
-    @_inline
-    def use(words, o, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
+    def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
         if valid:
             for r in range(R):
-                wv = words[o + r]
+                wv = a32[_ix(wrow[r] + p)]
                 w0[r] = f16_bits_to_f32(wv & _M16)
                 w1[r] = f16_bits_to_f32(wv >> uint32(16))
             for tt in range(T):
@@ -569,6 +549,7 @@ def _f16_kernel(S, T, R=1):
 
     @cuda.jit
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
+        pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -580,30 +561,18 @@ def _f16_kernel(S, T, R=1):
         wrow = cuda.local.array(R, int64)
         w0 = cuda.local.array(R, float32)
         w1 = cuda.local.array(R, float32)
-        first = cuda.local.array(PFR, uint32)
-        now = cuda.local.array(R, uint32)
         for i in range(RT):
             acc[i] = float32(0.0)
         for r in range(R):
             row = min(row_first + r, rows - 1)       # rows past the end repeat the last (not written)
             wrow[r] = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
-        nfull = npairs >> 5
-        for i in range(PF):                          # the first steps' weights, before the wait
-            step = w + i * S
-            load(a32, wrow, step * WARP + lane, row_first < rows and step < nfull, first, i * R)
-        pdl_wait()
-        pdl_launch()
         if row_first < rows:
-            for i in range(PF):
-                step = w + i * S
-                use(first, i * R, step * WARP + lane, step < nfull, x64, npairs, tok0, n_tok, acc, w0, w1)
-            for step in range(w + PF * S, nfull, S):
-                load(a32, wrow, step * WARP + lane, True, now, 0)
-                use(now, 0, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
+            nfull = npairs >> 5
+            for step in range(w, nfull, S):
+                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
             if (npairs & 31) != 0 and nfull % S == w:
                 p = nfull * WARP + lane
-                load(a32, wrow, p, p < npairs, now, 0)
-                use(now, 0, p, p < npairs, x64, npairs, tok0, n_tok, acc, w0, w1)
+                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc, w0, w1)
         for i in range(RT):
             v = acc[i]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)

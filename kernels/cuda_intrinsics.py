@@ -14,14 +14,13 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
-* ``pdl_wait()`` / ``pdl_launch()`` / ``pdl_enter()`` (both, in that order): programmatic
-  dependent launch (sm_90+). pdl_wait (griddepcontrol.wait) returns once the grids this one
-  depends on have finished and their writes are visible; pdl_launch
-  (griddepcontrol.launch_dependents) lets the grids that depend on this one be launched now, so
-  their blocks are resident when it ends instead of being launched after it. Every kernel calls
-  pdl_enter() first, or loads only weights (never written by any kernel) before its pdl_wait().
-  Both are no-ops for a grid launched without a programmatic edge (eager launches, ordinary
-  graph edges); kernels/graph.py makes the edges. Nothing is emitted for GPUs before sm_90.
+* ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
+  wait until the grids this one depends on have finished and their writes are visible
+  (griddepcontrol.wait), then let the grids that depend on this one be launched now
+  (griddepcontrol.launch_dependents), so their blocks are resident and waiting when this grid
+  ends instead of being launched after it. Both are no-ops for a grid launched without a
+  programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
+  Nothing is emitted for GPUs before sm_90.
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -76,12 +75,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
                 b = (-b) & 0xFF
             out |= b << (8 * k)
         return np.uint32(out)
-
-    def pdl_wait():
-        return None
-
-    def pdl_launch():
-        return None
 
     def pdl_enter():
         return None
@@ -191,19 +184,15 @@ else:
 
         return sig, codegen
 
-    def _griddepcontrol(name, asm):
-        """A void intrinsic emitting `asm` on sm_90+ (nothing before), ordered as a memory op."""
-        def make(typingctx):
-            def codegen(context, builder, signature, args):
-                if _pdl_supported():
-                    fnty = ir.FunctionType(ir.VoidType(), [])
-                    builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
+    @intrinsic
+    def pdl_enter(typingctx):
+        sig = types.void()
 
-            return types.void(), codegen
-        make.__name__ = make.__qualname__ = name
-        return intrinsic(make)
+        def codegen(context, builder, signature, args):
+            if _pdl_supported():
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                asm = "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"
+                builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
 
-    pdl_wait = _griddepcontrol("pdl_wait", "griddepcontrol.wait;")
-    pdl_launch = _griddepcontrol("pdl_launch", "griddepcontrol.launch_dependents;")
-    pdl_enter = _griddepcontrol("pdl_enter", "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;")
+        return sig, codegen

@@ -30,7 +30,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import pdl_enter, pdl_launch, pdl_wait
+from ds4py.kernels.cuda_intrinsics import pdl_enter
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -292,24 +292,14 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
     Blocks past the mixer rows (grid rows + n_hc², for hc_pre) write the Gram matrix of the
     streams, G[h][h'] = Σ_d X_h[d]·X_h'[d], in double, as partials over n_chunks equal d-ranges
     (part_gram [T, n_hc², chunks]): with it hc_pre knows Σy² of y = Σ a_h X_h (= Σ a_h a_h' G)
-    before it has y, so its collapse needs no block-wide reduction and spreads over many blocks.
-
-    The block's first HC_MIX_VALS mixer weights per thread are loaded before pdl_wait(): weights
-    are never written, so that load overlaps the kernel before this one (hc_post)."""
+    before it has y, so its collapse needs no block-wide reduction and spreads over many blocks."""
+    pdl_enter()
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     t = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     _, n_hc, n_embd = state.shape
     n_rows = part_dot.shape[1]
-    start = chunk * chunk_len
-    base = fn_off + row * n_hc * n_embd + start
-    first_w = cuda.local.array(HC_MIX_VALS, float32)
-    for k in range(HC_MIX_VALS):
-        j = tid + k * cuda.blockDim.x
-        first_w[k] = float32(w16[base + j]) if row < n_rows and j < chunk_len else float32(0.0)
-    pdl_wait()
-    pdl_launch()
     if row >= n_rows:                       # block-uniform: a Gram partial
         pair = row - n_rows
         h_a = pair // n_hc
@@ -323,19 +313,15 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
         if tid == 0:
             part_gram[t, pair, chunk] = total_gram
         return
+    start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
+    base = fn_off + row * n_hc * n_embd + start
     scratch64 = cuda.shared.array(BLOCK, float64)
     scratch32 = cuda.shared.array(BLOCK, float32)
     sumsq = float64(0.0)
     dot = float32(0.0)
-    for k in range(HC_MIX_VALS):            # the prefetched weights, in the loop's order
-        j = tid + k * cuda.blockDim.x
-        if j < chunk_len:
-            v = state[t, stream, d0 + j]
-            dot += first_w[k] * v
-            sumsq += float64(v) * float64(v)
-    for j in range(tid + HC_MIX_VALS * cuda.blockDim.x, chunk_len, cuda.blockDim.x):
+    for j in range(tid, chunk_len, cuda.blockDim.x):
         v = state[t, stream, d0 + j]
         dot += float32(w16[base + j]) * v
         sumsq += float64(v) * float64(v)
@@ -350,8 +336,7 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
 
 HC_MIX_MAX = HC_MAX * (2 + HC_MAX)     # mixer rows with HC_MAX streams
 HC_SUMS = HC_GRAM + 1                  # hc_mix_tokens' double sums: the Gram pairs, then Σx²
-HC_MIX_VALS = 4                        # state values per thread in hc_mix_tokens, mixer weights
-                                       # hc_mix_partial prefetches: chunk <= 4 x block
+HC_MIX_VALS = 4                        # state values per thread in hc_mix_tokens: chunk <= 4 x block
 BLOCK_WARPS = BLOCK // 32
 
 

@@ -320,9 +320,7 @@ def _is_kernel_decorator(dec) -> bool:
 def test_every_cuda_kernel_starts_with_pdl_enter():
     """Decode graphs use programmatic edges: a kernel may be launched while its predecessor still
     runs, so its first statement must be pdl_enter() (wait for the predecessors, then let the next
-    grid launch), or it must call pdl_wait() then pdl_launch() itself after loading only weights
-    (the Q8_0 matvec prefetches its first chunk). A kernel without them would read its inputs
-    before they are written."""
+    grid launch). A kernel without it would read its inputs before they are written."""
     import ast
     from pathlib import Path
     root = Path(__file__).resolve().parents[1] / "kernels"
@@ -333,11 +331,8 @@ def test_every_cuda_kernel_starts_with_pdl_enter():
                 continue
             found += 1
             body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            if ast.unparse(body[0]) == "pdl_enter()":
-                continue
-            calls = [ast.unparse(s) for s in body if isinstance(s, ast.Expr)]
-            if "pdl_wait()" in calls and "pdl_launch()" in calls[calls.index("pdl_wait()"):]:
-                continue
-            missing.append(f"{path.name}:{node.lineno} {node.name}")
+            first = body[0]
+            if not (isinstance(first, ast.Expr) and ast.unparse(first.value) == "pdl_enter()"):
+                missing.append(f"{path.name}:{node.lineno} {node.name}")
     assert found >= 35, f"only {found} kernels found: the decorator scan is broken"
-    assert not missing, "kernels without pdl_enter() first or pdl_wait(); pdl_launch(): " + ", ".join(missing)
+    assert not missing, "kernels that do not start with pdl_enter(): " + ", ".join(missing)
