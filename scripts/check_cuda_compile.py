@@ -66,12 +66,17 @@ IQ2, Q2K = qk.F.IQ2_XXS, qk.F.Q2_K
 u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]; u8a = types.uint8[::1]
 tables = (u64a, u8a)          # the IQ2_XXS grid and sign table
 moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a) + tables
+q8_rows = (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64)
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
+ "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
+ "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
+ "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),
+                       (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)),
  "f16_rows (prefill, 4 rows per warp)": (lambda: qk._f16_kernel(1, 8, qk._F16_R),
                                          (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
