@@ -191,6 +191,9 @@ class CudaEngine:
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
         if s.n_hc > ops.HC_MAX:
             raise Ds4Error(f"n_hc {s.n_hc}: the GPU HC kernels keep at most {ops.HC_MAX} streams in registers")
+        if s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ:
+            raise Ds4Error(f"indexer {s.n_ihead} heads x {s.idx_dim}: the GPU indexer keeps at most "
+                           f"{ops.ISC_HEADS} heads and {ops.ISC_IQ} query values in shared memory")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
                            f"{ops.ATTN_MAX_DIM}")
@@ -469,7 +472,7 @@ class CudaEngine:
         ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
-        ops.indexer_scores[(n_rows, T), 64, st](
+        ops.indexer_scores[(ops.indexer_score_blocks(n_rows), T), 32 * ops.ISC_WARPS, st](
             b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
             s.n_ihead, s.idx_dim, b.scores)
         ops.indexer_select[(1, T), BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,

@@ -1073,32 +1073,69 @@ def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
     hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
 
 
+ISC_WARPS = 2                 # warps per indexer_scores block, 32 compressed rows each
+ISC_ROWS = 32 * ISC_WARPS     # rows per block
+ISC_HEADS = 64                # most indexer heads (ds4: 64)
+ISC_IQ = 64 * 128             # most n_ihead·idx_dim values of a token's queries in shared memory
+
+
+def indexer_score_blocks(n_rows: int) -> int:
+    return (n_rows + ISC_ROWS - 1) // ISC_ROWS
+
+
 @cuda.jit(cache=True)
 def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores_all):
-    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): block (row c, token t), one thread per
-    head (the row staged in shared memory); iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead],
-    scores_all [T, rows]. Blocks past the rows emitted by the token's position return."""
+    """score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h): block (ISC_ROWS rows, token t), a thread
+    per row. The token's queries sit in shared memory (every lane reads the same query value:
+    a broadcast); each warp stages its 32 rows 32 dims at a time, coalesced, and a lane keeps its
+    row's 32 values in registers for all heads. Dots add dims in order, the total adds heads in
+    order: the CPU twin's order. (The previous kernel, a block per (row, token) with a thread per
+    head reading the queries 128 floats apart, took most of a prefill chunk once the indexer
+    selects.) iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead], scores_all [T, rows]; rows
+    past those the token's position has emitted are not written."""
     pdl_enter()
-    c = cuda.blockIdx.x
     t = cuda.blockIdx.y
-    if c >= (pos_buf[t] + 1) // 4:
-        return
-    iq = iq_all[t]
-    head_w = head_w_all[t]
     tid = cuda.threadIdx.x
-    row = cuda.shared.array(512, float32)
-    scratch32 = cuda.shared.array(BLOCK, float32)
-    for i in range(tid, idx_dim, cuda.blockDim.x):
-        row[i] = icache[c, i]
+    warp = tid // 32
+    lane = tid % 32
+    n_rows = (pos_buf[t] + 1) // 4
+    first = cuda.blockIdx.x * ISC_ROWS
+    if first >= n_rows:                          # block-uniform
+        return
+    iq_s = cuda.shared.array(ISC_IQ, float32)
+    w_s = cuda.shared.array(ISC_HEADS, float32)
+    tile = cuda.shared.array((ISC_WARPS, 32, 33), float32)     # 33: the transposed read is conflict-free
+    iq = iq_all[t]
+    for k in range(tid, n_ihead * idx_dim, cuda.blockDim.x):
+        iq_s[k] = iq[k]
+    if tid < n_ihead:
+        w_s[tid] = head_w_all[t, tid] * float32(weight_scale)
     cuda.syncthreads()
-    total = float32(0.0)
-    for h in range(tid, n_ihead, cuda.blockDim.x):
-        dot = float32(0.0)
-        for i in range(idx_dim):
-            dot += row[i] * iq[h * idx_dim + i]
-        total += head_w[h] * float32(weight_scale) * max(dot, float32(0.0))
-    total = block_sum(total, scratch32)
-    if tid == 0:
+    row0 = first + warp * 32
+    acc = cuda.local.array(ISC_HEADS, float32)
+    for h in range(n_ihead):
+        acc[h] = float32(0.0)
+    vals = cuda.local.array(32, float32)
+    for i0 in range(0, idx_dim, 32):
+        for r in range(32):
+            rr = row0 + r
+            tile[warp, r, lane] = icache[rr, i0 + lane] if rr < n_rows else float32(0.0)
+        cuda.syncthreads()                       # (syncwarp would do; the simulator lacks it)
+        for j in range(32):
+            vals[j] = tile[warp, lane, j]
+        cuda.syncthreads()
+        for h in range(n_ihead):
+            base = h * idx_dim + i0
+            dot = acc[h]
+            for j in range(32):
+                dot += vals[j] * iq_s[base + j]
+            acc[h] = dot
+    c = row0 + lane
+    if c < n_rows:
+        total = float32(0.0)
+        for h in range(n_ihead):
+            if acc[h] > float32(0.0):
+                total += w_s[h] * acc[h]
         scores_all[t, c] = total
 
 

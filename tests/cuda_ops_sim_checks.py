@@ -243,15 +243,15 @@ def check_indexer_select():
 
 
 def check_indexer_scores():
-    n_ihead, idx_dim, cap = 4, 64, 12
-    positions = np.array([39, 30, 41], np.int32)      # 10, 7, 10 rows emitted; the rest untouched
+    n_ihead, idx_dim, cap = 4, 64, 80
+    positions = np.array([39, 30, 300], np.int32)     # 10, 7, 75 rows emitted (two blocks); the rest untouched
     n_tok = len(positions)
     iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
     head_w = rng.normal(0, 1, (n_tok, n_ihead)).astype(np.float32)
     icache = rng.normal(0, 1, (cap, idx_dim)).astype(np.float32)
     scores = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
     scale = 1 / math.sqrt(idx_dim * n_ihead)
-    ops.indexer_scores[(cap, n_tok), 64](cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
+    ops.indexer_scores[(ops.indexer_score_blocks(cap), n_tok), 32 * ops.ISC_WARPS](cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
                                          cuda.to_device(positions), n_ihead, idx_dim, scores)
     got = scores.copy_to_host()
     for t, pos in enumerate(positions):
