@@ -472,7 +472,11 @@ class CudaEngine:
         ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
-        ops.indexer_scores[(ops.indexer_score_blocks(n_rows), T), 32 * ops.ISC_WARPS, st](
+        if T == 1:
+            scores, grid, threads = ops.indexer_scores, (n_rows, T), ops.ISC_HEADS
+        else:
+            scores, grid, threads = ops.indexer_scores_rows, (ops.indexer_score_blocks(n_rows), T), 32 * ops.ISC_WARPS
+        scores[grid, threads, st](
             b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
             s.n_ihead, s.idx_dim, b.scores)
         ops.indexer_select[(1, T), BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
