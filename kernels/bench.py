@@ -530,24 +530,6 @@ def bench_tune(timer, copy_bw, rng, log, moe):
     return res
 
 
-def bench_tune_q8(timer, copy_bw, rng, log):
-    """The Q8_0 decode matvecs with and without the pipelined chunks (_Q8_0_PIPE), same run."""
-    from . import cuda as CK
-    res = []
-    saved = CK._Q8_0_PIPE
-    try:
-        for pipe in (False, True):
-            CK._Q8_0_PIPE = pipe
-            for r in bench_dense(timer, copy_bw, rng, lambda m: None,
-                                 shapes=[s for s in DENSE_SHAPES if s[1] == F.Q8_0]):
-                r["variant"] = f"Q8_0 pipe={pipe}"
-                res.append(r)
-                log(f"  [pipe={pipe:d}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
-    finally:
-        CK._Q8_0_PIPE = saved
-    return res
-
-
 def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
     """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
     cuda = _cuda()
@@ -575,8 +557,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
-    if "tune_q8" in parts:
-        res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

@@ -329,16 +329,15 @@ def _cached(key, build):
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
 
 
-_Q8_0_PIPE = True  # a warp with several chunks loads chunk c + S while it uses chunk c
-
-
 def _make_q8_0_chunk(T, U):
-    """U warp steps of a Q8_0 row for T tokens, in two parts: `load` fetches all U steps' weight
-    words (each lane has U*5 independent loads in flight: decode is latency-bound without that),
-    `use` dots them with the tokens' activations in the order every Q8_0 kernel here keeps."""
+    """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
+    each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
 
     @_inline
-    def load(a16, hrow, step0, g, t, nb, q0, q1, wd):
+    def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
+        q0 = cuda.local.array(U, uint32)
+        q1 = cuda.local.array(U, uint32)
+        wd = cuda.local.array(U, float32)
         for u in range(U):
             b = (step0 + u) * 8 + g
             q0[u] = uint32(0)
@@ -349,9 +348,6 @@ def _make_q8_0_chunk(T, U):
                 wd[u] = f16_bits_to_f32(a16[_ix(hb)])
                 q0[u] = _u16pair(a16, hb + 1 + 4 * t)
                 q1[u] = _u16pair(a16, hb + 3 + 4 * t)
-
-    @_inline
-    def use(q0, q1, wd, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
         for tt in range(T):
             tok = tok0 + tt
             if T == 1 or tok < n_tok:          # warp-uniform
@@ -370,16 +366,13 @@ def _make_q8_0_chunk(T, U):
                     if valid:
                         acc[tt] = cuda.fma(wd[u] * xs, float32(isum), acc[tt])
 
-    return load, use
+    return chunk_fn
 
 
-def _q8_0_kernel(S, T, U=_Q8_0_U, pipe=False):
-    """Q8_0 rows (dp4a): a warp per row, or S warps per row (split-K) taking chunks of U steps of
-    8 blocks round-robin. pipe: two register sets, so the warp's next chunk is in flight while it
-    uses the current one (the same sums in the same order)."""
+def _q8_0_kernel(S, T, U=_Q8_0_U):
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    load, use = _make_q8_0_chunk(T, U)
+    chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a,
@@ -402,33 +395,10 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, pipe=False):
             hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
             x_tok = tok0 + row // x_group_rows
             nchunks = ((nb + 7) // 8 + U - 1) // U
-            a0 = cuda.local.array(U, uint32)
-            a1 = cuda.local.array(U, uint32)
-            ad = cuda.local.array(U, float32)
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
-            if pipe:
-                b0 = cuda.local.array(U, uint32)
-                b1 = cuda.local.array(U, uint32)
-                bd = cuda.local.array(U, float32)
-                c = w
-                if c < nchunks:
-                    load(a16, hrow, c * U, g, t, nb, a0, a1, ad)
-                while c < nchunks:            # two chunks per turn: set a, then set b
-                    if c + S < nchunks:
-                        load(a16, hrow, (c + S) * U, g, t, nb, b0, b1, bd)
-                    use(a0, a1, ad, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
-                    c += S
-                    if c >= nchunks:
-                        break
-                    if c + S < nchunks:
-                        load(a16, hrow, (c + S) * U, g, t, nb, a0, a1, ad)
-                    use(b0, b1, bd, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
-                    c += S
-            else:
-                for c in range(w, nchunks, S):
-                    load(a16, hrow, c * U, g, t, nb, a0, a1, ad)
-                    use(a0, a1, ad, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
+            for c in range(w, nchunks, S):
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
         for tt in range(T):
             v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -655,8 +625,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    pipe = _Q8_0_PIPE and T == 1 and (((nb + 7) // 8 + U - 1) // U + S - 1) // S >= 2   # >= 2 chunks per warp
-    kernel = _cached(("q8_0", S, T, U, pipe), lambda: _q8_0_kernel(S, T, U, pipe))
+    kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,

@@ -170,26 +170,6 @@ def test_matmul_rows_equal_matvec(t, rows):
         assert np.array_equal(Y[i], y1), f"token {i}"
 
 
-@pytest.mark.parametrize("rows,Kd", [(37, 9216), (4096, 8192), (8192, 4096), (300, 2048)])
-def test_q8_0_pipelined_matvec_equals_plain(rows, Kd):
-    """The pipelined Q8_0 matvec (next chunk in flight while the current one is used) adds the same
-    terms in the same order as the plain loop: equal bit for bit, including a warp with an odd
-    number of chunks (37 x 9216: 9 chunks over 8 warps)."""
-    rng = _rng(rows * 7 + Kd)
-    w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
-    arena, (off,) = _arena([w])
-    x = rng.standard_normal(Kd).astype(np.float32)
-    saved = K._Q8_0_PIPE
-    try:
-        K._Q8_0_PIPE = True
-        piped = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, x[None, :], single=True)[0]
-        K._Q8_0_PIPE = False
-        plain = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, x[None, :], single=True)[0]
-    finally:
-        K._Q8_0_PIPE = saved
-    assert np.array_equal(piped.view(np.uint32), plain.view(np.uint32))
-
-
 # (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
 # tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset
 MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200, 256, 33, 0),
