@@ -53,6 +53,10 @@ class CountingEngine:
         self.n_past += 1
         return self._logits()
 
+    def warm_up(self):
+        self.calls.append(("warm_up", self.n_past))
+        self.n_past = 99                       # whatever it leaves, the bench starts from reset
+
     def snapshot(self):
         return (self.n_past, np.zeros(10, np.float32))
 
@@ -63,6 +67,7 @@ class CountingEngine:
 def test_run_bench_prefills_incrementally_and_restores():
     engine = CountingEngine()
     rows = bench.run_bench(engine, list(range(100)), engine.eos, [16, 32, 64], gen_tokens=5)
+    assert engine.calls[0] == ("warm_up", 0)                             # compiles before any timing
     prefills = [c for c in engine.calls if c[0] == "prefill"]
     assert prefills == [("prefill", 0, 16), ("prefill", 16, 16), ("prefill", 32, 32)]
     decodes = [c for c in engine.calls if c[0] == "decode"]

@@ -219,3 +219,23 @@ def test_programmatic_graph_equals_ordinary_graph(model, regime):
     sp.close()
     sf.close()
 
+
+
+def test_warm_up_leaves_no_trace(model):
+    """warm_up (what the bench runs before its clock) prefills throwaway chunks, one past the
+    indexer threshold, and restores the state: the logits that follow are bitwise those of an
+    engine that never warmed up, also after a prefill."""
+    tokens = _tokens(50, seed=9)
+    warm, sw = _engine(model, "device", n_ctx=256)
+    cold, sc = _engine(model, "device", n_ctx=256)
+    warm.decode(tokens[0])
+    warm.warm_up()
+    assert warm.n_past == 1
+    cold.decode(tokens[0])
+    got = np.array(warm.prefill(tokens[1:40]))
+    want = np.array(cold.prefill(tokens[1:40]))
+    assert np.array_equal(got, want)
+    for tok in tokens[40:]:
+        assert np.array_equal(np.array(warm.decode(tok)), np.array(cold.decode(tok)))
+    sw.close()
+    sc.close()
