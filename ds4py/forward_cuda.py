@@ -803,7 +803,7 @@ class CudaEngine:
         throwaway chunk at position 0 and, when the context allows, one past that threshold, then
         one decode step (graph capture), and puts the state back. Resident experts only: with an
         expert cache the throwaway chunks would fetch experts and move its counters."""
-        if not self.experts_resident or not self.use_graphs:
+        if not self.experts_resident or not self.use_graphs or self.n_ctx <= self.WARM_TOKENS:
             return
         saved = self.snapshot()
         starts = [0]
