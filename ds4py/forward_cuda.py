@@ -13,6 +13,7 @@ pairs and for the byte offsets of the selected experts.
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -845,8 +846,27 @@ class CudaEngine:
                 for seg in self._segments():
                     seg()
             return graph
-        result = {"step_ms": time_graph(full), "nodes": full.n_nodes,
-                  "programmatic_edges": full.programmatic_edges}
+        def time_serial(graph) -> float:
+            """ms per step when each replay waits for the one before, as a token loop does."""
+            graph.replay()
+            self.stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                graph.replay()
+                self.stream.synchronize()
+            return (time.perf_counter() - t0) * 1e3 / reps
+
+        def time_tokens() -> float:
+            """ms per decode_greedy call: the serial step plus the token/position copies in, the
+            token copy out and the Python around them."""
+            tok = token
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                tok = self.decode_greedy(tok)
+            return (time.perf_counter() - t0) * 1e3 / reps
+
+        result = {"step_ms": time_graph(full), "step_ms_serial": time_serial(full), "token_ms": time_tokens(),
+                  "nodes": full.n_nodes, "programmatic_edges": full.programmatic_edges}
         other = capture(not self.pdl)           # the same step with the other kind of edges
         result["step_ms_pdl_off" if self.pdl else "step_ms_pdl_on"] = time_graph(other)
         other.close()
