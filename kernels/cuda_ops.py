@@ -1080,7 +1080,9 @@ ISC_IQ = 64 * 128             # most n_ihead·idx_dim values of a token's querie
 
 # Both indexer score kernels compute score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h) with the dims
 # added in order and the heads added in order (the CPU twin's order), so decode and prefill give
-# the same scores bit for bit. iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead], scores_all
+# the same scores bit for bit. Keep the expressions in the same form too (dot += row·q, total +=
+# w·dot): NVVM contracts a product feeding an add into one FMA, and a product stored to memory
+# first would round twice. iq_all [T, n_ihead·idx_dim], head_w_all [T, n_ihead], scores_all
 # [T, rows]; rows past those the token's position has emitted are not written.
 
 
