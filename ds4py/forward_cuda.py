@@ -666,23 +666,22 @@ class CudaEngine:
 
     # ---- running ---------------------------------------------------------------------------------
 
-    def _build_graphs(self):
-        """Warm every kernel up eagerly once (compiles, loads modules), then capture."""
-        segments = self._segments()
-        resident = self.experts_resident
-        if resident:
-            graph = CapturedGraph(self.stream, programmatic=self.pdl)
-            with graph:
-                for seg in segments:
-                    seg()
-            self._graphs = [graph]
-        else:
-            self._graphs = []
+    def _capture(self, segments, programmatic: bool) -> CapturedGraph:
+        """One graph of the given decode segments, launched in order on the main stream."""
+        graph = CapturedGraph(self.stream, programmatic=programmatic)
+        with graph:
             for seg in segments:
-                graph = CapturedGraph(self.stream, programmatic=self.pdl)
-                with graph:
-                    seg()
-                self._graphs.append(graph)
+                seg()
+        return graph
+
+    def _build_graphs(self):
+        """Capture the step (its kernels were compiled and loaded by _warm_up): one graph with
+        resident experts, else one per segment (the host fetches experts between them)."""
+        segments = self._segments()
+        if self.experts_resident:
+            self._graphs = [self._capture(segments, self.pdl)]
+        else:
+            self._graphs = [self._capture([seg], self.pdl) for seg in segments]
 
     def _step(self, token: int, pos: int) -> None:
         b = self.buf
@@ -840,12 +839,6 @@ class CudaEngine:
             end.synchronize()
             return cuda.event_elapsed_time(start, end) / reps
 
-        def capture(programmatic: bool) -> CapturedGraph:
-            graph = CapturedGraph(self.stream, programmatic=programmatic)
-            with graph:
-                for seg in self._segments():
-                    seg()
-            return graph
         def time_serial(graph) -> float:
             """ms per step when each replay waits for the one before, as a token loop does."""
             graph.replay()
@@ -867,12 +860,12 @@ class CudaEngine:
 
         result = {"step_ms": time_graph(full), "step_ms_serial": time_serial(full), "token_ms": time_tokens(),
                   "nodes": full.n_nodes, "programmatic_edges": full.programmatic_edges}
-        other = capture(not self.pdl)           # the same step with the other kind of edges
+        other = self._capture(self._segments(), not self.pdl)   # the same step, the other kind of edges
         result["step_ms_pdl_off" if self.pdl else "step_ms_pdl_on"] = time_graph(other)
         other.close()
         for group in self.GROUPS:
             self.skip = {group}
-            graph = capture(self.pdl)
+            graph = self._capture(self._segments(), self.pdl)
             result[group] = result["step_ms"] - time_graph(graph)
             graph.close()
         self.skip = set()

@@ -1323,7 +1323,7 @@ _MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 p
                      # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
 
 
-def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
+def _moe_gate_up_tiles_mma_kernel(NH):
     """Prefill gate/up for IQ2_XXS experts on the int8 tensor cores: a warp takes 16 rows x one
     tile of <= 8·NH pairs (NH MMA column halves of 8 pairs). Per super-block, 8 x NH MMAs (one per
     32-weight sub-block and half; the thread decodes its A bytes from the grid and sign tables once
@@ -1424,7 +1424,7 @@ def _moe_gate_up_tiles_mma_kernel(NH=_MMA_HALVES_GU):
     return moe_gate_up_tiles_mma
 
 
-def _moe_down_tiles_mma_kernel(NH=1):
+def _moe_down_tiles_mma_kernel(NH):
     """Prefill down projection for Q2_K experts on the int8 tensor cores: a warp takes 16 output
     rows x one tile of <= 8·NH pairs (NH MMA column halves of 8 pairs; the A fragment is built once
     for all halves). The A bytes are the 2-bit weights times their 4-bit sub-block scale (<= 45,

@@ -67,6 +67,9 @@ IQ2, Q2K = qk.F.IQ2_XXS, qk.F.Q2_K
 u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]; u8a = types.uint8[::1]
 tables = (u64a, u8a)          # the IQ2_XXS grid and sign table
 moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a) + tables
+f16_rows = (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)
+gu_mma = (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables
+dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)
 q8_rows = (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64)
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
@@ -77,24 +80,24 @@ quant = {
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),
-                       (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)),
+                       f16_rows),
  "f16_rows (prefill, 4 rows per warp)": (lambda: qk._f16_kernel(1, 8, qk._F16_R),
-                                         (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)),
+                                         f16_rows),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
-                                   (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)),
+                                   f16_rows),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
                           (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
  "moe_gate_up_tiles_mma IQ2_XXS (8-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(1),
-                                   (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
+                                   gu_mma),
  "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2),
-                                   (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables),
+                                   gu_mma),
  "moe_down_tiles_mma Q2_K (8-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(1),
-                                            (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)),
+                                            dn_mma),
  "moe_down_tiles_mma Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(2),
-                                             (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)),
+                                             dn_mma),
 }
 
 bad = 0

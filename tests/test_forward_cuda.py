@@ -220,7 +220,6 @@ def test_programmatic_graph_equals_ordinary_graph(model, regime):
     sf.close()
 
 
-
 def test_warm_up_leaves_no_trace(model):
     """warm_up (what the bench runs before its clock) prefills throwaway chunks, one past the
     indexer threshold, and restores the state: the logits that follow are bitwise those of an
