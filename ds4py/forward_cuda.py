@@ -235,6 +235,8 @@ class CudaEngine:
         self._expert_tables_dev = {}
         self._n_past = 0
         self._forbid = -1
+        self._token_slots = None            # pinned read-back slots of decode_greedy_run
+        self._token_events = None
         self.skip: set[str] = set()
         self._graphs = None
         self.reset()
@@ -661,6 +663,7 @@ class CudaEngine:
                     self._ffn_route(b, il + 1)
                 elif self._on("head"):
                     self._head(b)
+                    ops.advance_token[1, 32, self.stream](b.next_token, b.token, b.pos)
             segments.append(middle)
         return segments
 
@@ -745,6 +748,44 @@ class CudaEngine:
         out = self.buf.next_token.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return int(out[0])
+
+    def decode_greedy_run(self, token: int, n: int, forbid: int = -1):
+        """n greedy steps after `token`, yielding each step's pick as it is read back. With the
+        step as one graph (resident experts), step k + 1 is launched before token k is read:
+        advance_token leaves each step's pick and position on the device for the next, so the
+        host's launch, copies and Python overlap the GPU's work instead of following it. Runs
+        exactly n steps (none ahead of what the caller asked for: a launched step cannot be taken
+        back, the ratio-4 compressors move their window at its end). Same tokens as n calls of
+        decode_greedy."""
+        if n <= 0:
+            return
+        if not (self.use_graphs and self.experts_resident):
+            for _ in range(n):
+                token = self.decode_greedy(token, forbid)
+                yield token
+            return
+        if forbid != self._forbid:
+            self.buf.forbid.copy_to_device(np.array([forbid], np.int32), stream=self.stream)
+            self._forbid = forbid
+        if self._token_slots is None:
+            self._token_slots = cuda.pinned_array(2, np.int32)
+            self._token_events = [cuda.event(timing=False) for _ in range(2)]
+        slots, events = self._token_slots, self._token_events
+
+        def read_back(k):          # step k's pick into pinned slot k % 2, in stream order
+            self.buf.next_token.copy_to_host(slots[k % 2:k % 2 + 1], stream=self.stream)
+            events[k % 2].record(self.stream)
+
+        self._step(token, self._n_past)            # copies the first token and position
+        self._n_past += 1
+        read_back(0)
+        for k in range(1, n + 1):
+            if k < n:
+                self._graphs[0].replay()           # reads what step k - 1 left on the device
+                self._n_past += 1
+                read_back(k)
+            events[(k - 1) % 2].synchronize()
+            yield int(slots[(k - 1) % 2])
 
     def prefill(self, tokens) -> np.ndarray:
         """Evaluate a prompt at positions n_past.. and return the logits of its last token.

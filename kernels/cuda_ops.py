@@ -1848,6 +1848,17 @@ def argmax_partial(logits, forbid, part_val, part_idx):
 
 
 @cuda.jit(cache=True)
+def advance_token(next_token, token_buf, pos_buf):
+    """The end of a decode step: its greedy pick becomes the next step's token and the position
+    moves on, on the device, so a greedy loop can launch step k + 1 before it reads token k
+    (CudaEngine.decode_greedy_run). The last node of the step: nothing after it reads them."""
+    pdl_enter()
+    if cuda.threadIdx.x == 0:
+        token_buf[0] = next_token[0]
+        pos_buf[0] = pos_buf[0] + 1
+
+
+@cuda.jit(cache=True)
 def argmax_finish(part_val, part_idx, out_token):
     """Greedy pick, second pass (one block of >= part_val.size threads): the first maximal index
     over the blocks' winners."""

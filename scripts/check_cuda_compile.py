@@ -44,6 +44,7 @@ sigs = {
  "groups_to_tokens": (f32a, i64, i64, f32a),
  "argmax_partial": (f32a, i32a, f32a, i32a),
  "argmax_finish": (f32a, i32a, i32a),
+ "advance_token": (i32a, i32a, i32a),
 }
 
 

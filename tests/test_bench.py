@@ -93,3 +93,21 @@ def test_bench_cli_on_tiny(tiny_model, tmp_path):
     assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows)
     assert int(rows[0][8]) > 0 and int(rows[-1][8]) == 0
     assert "of roofline" in r.stdout + r.stderr
+
+
+class RunEngine(CountingEngine):
+    """A stand-in with the GPU engine's pipelined greedy loop."""
+
+    def decode_greedy_run(self, token, n, forbid=-1):
+        self.calls.append(("run", self.n_past, token, n, forbid))
+        for _ in range(n):
+            self.n_past += 1
+            yield 7
+
+
+def test_probe_uses_the_pipelined_greedy_loop():
+    engine = RunEngine()
+    engine.n_past = 16
+    total, steps = bench.probe_decode(engine, engine._logits(), 5, engine.eos)
+    assert engine.calls == [("run", 16, 7, 5, engine.eos)]     # the first pick skips EOS, one run of 5
+    assert len(steps) == 5 and total == pytest.approx(sum(steps)) and engine.n_past == 21

@@ -238,3 +238,25 @@ def test_warm_up_leaves_no_trace(model):
         assert np.array_equal(np.array(warm.decode(tok)), np.array(cold.decode(tok)))
     sw.close()
     sc.close()
+
+
+@pytest.mark.parametrize("regime", ["device", "page-cache"])
+def test_pipelined_greedy_run_equals_token_by_token(model, regime):
+    """decode_greedy_run launches step k + 1 before it reads token k (the token and position
+    move on on the device): the same tokens as decode_greedy one by one, the same position, and
+    the same logits for the token after (the expert-cache regime takes the per-token path)."""
+    tokens = _tokens(30, seed=11)
+    run, sr = _engine(model, regime)
+    one, so = _engine(model, regime)
+    run.prefill(tokens)
+    one.prefill(tokens)
+    got = list(run.decode_greedy_run(tokens[-1], 24, forbid=5))
+    want, tok = [], tokens[-1]
+    for _ in range(24):
+        tok = one.decode_greedy(tok, forbid=5)
+        want.append(tok)
+    assert got == want and 5 not in got
+    assert run.n_past == one.n_past
+    assert np.array_equal(np.array(run.decode(got[-1])), np.array(one.decode(want[-1])))
+    sr.close()
+    so.close()
