@@ -192,9 +192,10 @@ class CudaEngine:
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
         if s.n_hc > ops.HC_MAX:
             raise Ds4Error(f"n_hc {s.n_hc}: the GPU HC kernels keep at most {ops.HC_MAX} streams in registers")
-        if s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ:
+        if s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ or s.idx_dim > ops.ISC_MAX_DIM:
             raise Ds4Error(f"indexer {s.n_ihead} heads x {s.idx_dim}: the GPU indexer keeps at most "
-                           f"{ops.ISC_HEADS} heads and {ops.ISC_IQ} query values in shared memory")
+                           f"{ops.ISC_HEADS} heads of {ops.ISC_MAX_DIM} dims and {ops.ISC_IQ} query values "
+                           f"in shared memory")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
                            f"{ops.ATTN_MAX_DIM}")
@@ -476,7 +477,7 @@ class CudaEngine:
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
         if T == 1:
-            scores, grid, threads = ops.indexer_scores, (n_rows, T), ops.ISC_HEADS
+            scores, grid, threads = ops.indexer_scores, (ops.indexer_decode_blocks(n_rows), T), ops.ISD_THREADS
         else:
             scores, grid, threads = ops.indexer_scores_rows, (ops.indexer_score_blocks(n_rows), T), 32 * ops.ISC_WARPS
         scores[grid, threads, st](

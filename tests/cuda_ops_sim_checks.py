@@ -243,10 +243,15 @@ def check_indexer_select():
 
 
 def check_indexer_scores():
-    """Both forms (decode: a block per row; prefill: a thread per row, 64-row blocks) against the
-    reference, and against each other bit for bit (the same dims and heads order)."""
-    n_ihead, idx_dim, cap = 4, 64, 80
-    positions = np.array([39, 30, 300], np.int32)     # 10, 7, 75 rows emitted (two blocks); the rest untouched
+    """Both forms (decode: ISD_ROWS rows per block, a thread per (row, head); prefill: a thread per
+    row, 64-row blocks) against the reference, and against each other bit for bit (the same dims
+    and heads order): a small indexer, and ds4's 64 heads x 128 dims."""
+    check_indexer_scores_shape(4, 64, 80, [39, 30, 300])      # 10, 7, 75 rows emitted (two blocks)
+    check_indexer_scores_shape(64, 128, 12, [41, 3])          # 10, 0 rows
+
+
+def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions):
+    positions = np.array(positions, np.int32)         # rows past (pos + 1) // 4 stay untouched
     n_tok = len(positions)
     iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
     head_w = rng.normal(0, 1, (n_tok, n_ihead)).astype(np.float32)
@@ -257,15 +262,17 @@ def check_indexer_scores():
     by_row = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
     by_head = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
     ops.indexer_scores_rows[(ops.indexer_score_blocks(cap), n_tok), 32 * ops.ISC_WARPS](*args, by_row)
-    ops.indexer_scores[(cap, n_tok), ops.ISC_HEADS](*args, by_head)
+    ops.indexer_scores[(ops.indexer_decode_blocks(cap), n_tok), ops.ISD_THREADS](*args, by_head)
     got, got_head = by_row.copy_to_host(), by_head.copy_to_host()
     for t, pos in enumerate(positions):
         n = (pos + 1) // 4
         want = np.maximum(icache[:n].astype(np.float64) @ iq[t].reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w[t] * scale)
         close(f"indexer_scores [T={n_tok} t={t}]", got[t, :n], want, 1e-5)
         assert np.all(got[t, n:] == -7.0), "indexer_scores_rows wrote rows that were not emitted"
+        assert np.all(got_head[t, n:] == -7.0), "indexer_scores wrote rows that were not emitted"
     same = np.array_equal(got.view(np.uint32), got_head.view(np.uint32))
-    print(f"{'ok ' if same else 'BAD'} indexer_scores (decode) == indexer_scores_rows (prefill) bit for bit")
+    print(f"{'ok ' if same else 'BAD'} indexer_scores (decode) == indexer_scores_rows (prefill) bit for bit "
+          f"({n_ihead} heads x {idx_dim})")
     if not same:
         raise SystemExit(1)
 
