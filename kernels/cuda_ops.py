@@ -335,6 +335,8 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
 
 
 HC_MIX_MAX = HC_MAX * (2 + HC_MAX)     # mixer rows with HC_MAX streams
+MIX_PER_WARP = (HC_MIX_MAX + BLOCK // 32 - 1) // (BLOCK // 32)   # rows a warp sums (>= BLOCK threads)
+GRAM_PER_WARP = (HC_GRAM + BLOCK // 32 - 1) // (BLOCK // 32)
 HC_SUMS = HC_GRAM + 1                  # hc_mix_tokens' double sums: the Gram pairs, then Σx²
 HC_MIX_VALS = 4                        # state values per thread in hc_mix_tokens: chunk <= 4 x block
 BLOCK_WARPS = BLOCK // 32
@@ -468,11 +470,19 @@ def hc_mix_values(part_dot, part_sq, n, eps, mix):
     n_rows, n_chunks = part_dot.shape
     if USE_SHUFFLES:
         lane = tid % 32
+        n_warps = cuda.blockDim.x // 32
+        # every partial is loaded before the first sum (loops over a constant unroll): one L2 round
+        # trip instead of one per row (rows warp, warp + n_warps, ...: the same sums as before)
+        dots = cuda.local.array(MIX_PER_WARP, float32)
+        for k in range(MIX_PER_WARP):
+            row = tid // 32 + k * n_warps
+            dots[k] = part_dot[row, lane] if row < n_rows and lane < n_chunks else float32(0.0)
         sq = warp_sum_f32(part_sq[lane] if lane < n_chunks else float64(0.0))
         scale = rms_scale(sq, n, eps)
-        for row in range(tid // 32, n_rows, cuda.blockDim.x // 32):
-            dot = warp_sum_f32(part_dot[row, lane] if lane < n_chunks else float32(0.0))
-            if lane == 0:
+        for k in range(MIX_PER_WARP):
+            row = tid // 32 + k * n_warps
+            dot = warp_sum_f32(dots[k])
+            if lane == 0 and row < n_rows:
                 mix[row] = dot * scale
     elif tid < n_rows:
         sq = float64(0.0)
@@ -621,10 +631,16 @@ def gram_values(part_gram, gram):
     n_pairs, n_chunks = part_gram.shape
     if USE_SHUFFLES:
         lane = tid % 32
-        for k in range(tid // 32, n_pairs, cuda.blockDim.x // 32):
-            total = warp_sum_f32(part_gram[k, lane] if lane < n_chunks else float64(0.0))
-            if lane == 0:
-                gram[k] = total
+        n_warps = cuda.blockDim.x // 32
+        parts = cuda.local.array(GRAM_PER_WARP, float64)       # loads first, as in hc_mix_values
+        for k in range(GRAM_PER_WARP):
+            pair = tid // 32 + k * n_warps
+            parts[k] = part_gram[pair, lane] if pair < n_pairs and lane < n_chunks else float64(0.0)
+        for k in range(GRAM_PER_WARP):
+            pair = tid // 32 + k * n_warps
+            total = warp_sum_f32(parts[k])
+            if lane == 0 and pair < n_pairs:
+                gram[pair] = total
     elif tid < n_pairs:
         total = float64(0.0)
         for c in range(n_chunks):
@@ -1090,6 +1106,9 @@ ISC_MAX_DIM = 512             # largest idx_dim
 ISD_ROWS = 4                  # compressed rows per indexer_scores (decode) block
 ISD_THREADS = ISD_ROWS * ISC_HEADS
 ISD_IQ = ISC_IQ + ISC_MAX_DIM  # the transposed queries: idx_dim x (n_ihead + 1) values
+ISD_Q_LOADS = ISC_IQ // ISD_THREADS              # query values a thread stages
+ISD_ROW_VALS = ISD_ROWS * ISC_MAX_DIM           # the staged rows, row-major
+ISD_ROW_LOADS = ISD_ROW_VALS // ISD_THREADS
 
 
 def indexer_decode_blocks(n_rows: int) -> int:
@@ -1102,10 +1121,11 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     """Decode form: block (ISD_ROWS rows, token t) of ISD_THREADS threads, thread (row r, head h);
     the heads' terms meet in shared memory and one thread per row adds them in order. The token's
     queries are staged once per block, transposed (dim-major, stride n_ihead + 1: conflict-free
-    both ways), so a warp's 32 heads read 32 consecutive words. (A block per row with the queries
-    read from global 128 floats apart took 34.7 us per layer at 512 rows, ncu on the H200: every
-    block pulled the token's 32 KB of queries through L1 as 32-way scattered loads.) One token has
-    too few rows to fill the GPU with a thread per row (indexer_scores_rows: step 9.8 -> 11.6 ms)."""
+    both ways), so a warp's 32 heads read 32 consecutive words. A thread issues all its staging
+    loads before its first shared store (loops over constants unroll), so they are in flight
+    together. (A block per row with the queries read from global 128 floats apart took 34.7 us
+    per layer at 512 rows, ncu on the H200.) One token has too few rows to fill the GPU with a
+    thread per row (indexer_scores_rows took the step from 9.8 to 11.6 ms)."""
     pdl_enter()
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -1113,26 +1133,42 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     first = cuda.blockIdx.x * ISD_ROWS
     if first >= n_rows:                          # block-uniform
         return
-    stride = n_ihead + 1
     iq_t = cuda.shared.array(ISD_IQ, float32)
-    rows = cuda.shared.array((ISD_ROWS, ISC_MAX_DIM), float32)
+    rows = cuda.shared.array(ISD_ROW_VALS, float32)
     terms = cuda.shared.array((ISD_ROWS, ISC_HEADS), float32)
+    w_s = cuda.shared.array(ISC_HEADS, float32)
     iq = iq_all[t]
-    for k in range(tid, n_ihead * idx_dim, cuda.blockDim.x):
-        h = k // idx_dim
-        i = k - h * idx_dim
-        iq_t[i * stride + h] = iq[k]
-    for k in range(tid, ISD_ROWS * idx_dim, cuda.blockDim.x):
-        r = k // idx_dim
-        i = k - r * idx_dim
-        rows[r, i] = icache[first + r, i] if first + r < n_rows else float32(0.0)
+    n_q = int32(n_ihead * idx_dim)
+    dim = int32(idx_dim)
+    stride = int32(n_ihead + 1)
+    q_vals = cuda.local.array(ISD_Q_LOADS, float32)
+    row_vals = cuda.local.array(ISD_ROW_LOADS, float32)
+    for u in range(ISD_Q_LOADS):
+        k = int32(tid + u * ISD_THREADS)
+        q_vals[u] = iq[k] if k < n_q else float32(0.0)
+    for u in range(ISD_ROW_LOADS):
+        k = int32(tid + u * ISD_THREADS)
+        r = k // dim
+        c = first + r
+        row_vals[u] = icache[c, k - r * dim] if r < ISD_ROWS and c < n_rows else float32(0.0)
+    if tid < n_ihead:
+        w_s[tid] = head_w_all[t, tid] * float32(weight_scale)
+    for u in range(ISD_Q_LOADS):
+        k = int32(tid + u * ISD_THREADS)
+        if k < n_q:
+            h = k // dim
+            iq_t[(k - h * dim) * stride + h] = q_vals[u]
+    for u in range(ISD_ROW_LOADS):
+        k = int32(tid + u * ISD_THREADS)
+        if k < ISD_ROWS * dim:
+            rows[k] = row_vals[u]
     cuda.syncthreads()
     r = tid // ISC_HEADS
     h = tid - r * ISC_HEADS
     if h < n_ihead:
         dot = float32(0.0)
-        for i in range(idx_dim):
-            dot += rows[r, i] * iq_t[i * stride + h]
+        for i in range(dim):
+            dot += rows[r * dim + i] * iq_t[i * stride + h]
         terms[r, h] = dot
     cuda.syncthreads()
     c = first + tid
@@ -1140,7 +1176,7 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
         total = float32(0.0)
         for h in range(n_ihead):
             if terms[tid, h] > float32(0.0):
-                total += (head_w_all[t, h] * float32(weight_scale)) * terms[tid, h]
+                total += w_s[h] * terms[tid, h]
         scores_all[t, c] = total
 
 
