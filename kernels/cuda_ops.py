@@ -473,17 +473,19 @@ def hc_mix_values(part_dot, part_sq, n, eps, mix):
         n_warps = cuda.blockDim.x // 32
         # every partial is loaded before the first sum (loops over a constant unroll): one L2 round
         # trip instead of one per row (rows warp, warp + n_warps, ...: the same sums as before)
-        dots = cuda.local.array(MIX_PER_WARP, float32)
-        for k in range(MIX_PER_WARP):
-            row = tid // 32 + k * n_warps
-            dots[k] = part_dot[row, lane] if row < n_rows and lane < n_chunks else float32(0.0)
+        # (one pass of the outer loop with >= BLOCK threads; smaller blocks, as in the tests, loop)
         sq = warp_sum_f32(part_sq[lane] if lane < n_chunks else float64(0.0))
         scale = rms_scale(sq, n, eps)
-        for k in range(MIX_PER_WARP):
-            row = tid // 32 + k * n_warps
-            dot = warp_sum_f32(dots[k])
-            if lane == 0 and row < n_rows:
-                mix[row] = dot * scale
+        dots = cuda.local.array(MIX_PER_WARP, float32)
+        for first in range(tid // 32, n_rows, MIX_PER_WARP * n_warps):
+            for k in range(MIX_PER_WARP):
+                row = first + k * n_warps
+                dots[k] = part_dot[row, lane] if row < n_rows and lane < n_chunks else float32(0.0)
+            for k in range(MIX_PER_WARP):
+                row = first + k * n_warps
+                dot = warp_sum_f32(dots[k])
+                if lane == 0 and row < n_rows:
+                    mix[row] = dot * scale
     elif tid < n_rows:
         sq = float64(0.0)
         for c in range(n_chunks):
@@ -633,14 +635,15 @@ def gram_values(part_gram, gram):
         lane = tid % 32
         n_warps = cuda.blockDim.x // 32
         parts = cuda.local.array(GRAM_PER_WARP, float64)       # loads first, as in hc_mix_values
-        for k in range(GRAM_PER_WARP):
-            pair = tid // 32 + k * n_warps
-            parts[k] = part_gram[pair, lane] if pair < n_pairs and lane < n_chunks else float64(0.0)
-        for k in range(GRAM_PER_WARP):
-            pair = tid // 32 + k * n_warps
-            total = warp_sum_f32(parts[k])
-            if lane == 0 and pair < n_pairs:
-                gram[pair] = total
+        for first in range(tid // 32, n_pairs, GRAM_PER_WARP * n_warps):
+            for k in range(GRAM_PER_WARP):
+                pair = first + k * n_warps
+                parts[k] = part_gram[pair, lane] if pair < n_pairs and lane < n_chunks else float64(0.0)
+            for k in range(GRAM_PER_WARP):
+                pair = first + k * n_warps
+                total = warp_sum_f32(parts[k])
+                if lane == 0 and pair < n_pairs:
+                    gram[pair] = total
     elif tid < n_pairs:
         total = float64(0.0)
         for c in range(n_chunks):
