@@ -192,10 +192,11 @@ class CudaEngine:
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
         if s.n_hc > ops.HC_MAX:
             raise Ds4Error(f"n_hc {s.n_hc}: the GPU HC kernels keep at most {ops.HC_MAX} streams in registers")
-        if s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ or s.idx_dim > ops.ISC_MAX_DIM:
+        if (s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ or s.idx_dim > ops.ISC_MAX_DIM
+                or s.idx_dim % ops.ISD_UNROLL):
             raise Ds4Error(f"indexer {s.n_ihead} heads x {s.idx_dim}: the GPU indexer keeps at most "
-                           f"{ops.ISC_HEADS} heads of {ops.ISC_MAX_DIM} dims and {ops.ISC_IQ} query values "
-                           f"in shared memory")
+                           f"{ops.ISC_HEADS} heads of {ops.ISC_MAX_DIM} dims (a multiple of {ops.ISD_UNROLL}) "
+                           f"and {ops.ISC_IQ} query values in shared memory")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
                            f"{ops.ATTN_MAX_DIM}")

@@ -1112,11 +1112,23 @@ ISD_IQ = ISC_IQ + ISC_MAX_DIM  # the transposed queries: idx_dim x (n_ihead + 1)
 ISD_Q_LOADS = ISC_IQ // ISD_THREADS              # query values a thread stages
 ISD_ROW_VALS = ISD_ROWS * ISC_MAX_DIM           # the staged rows, row-major
 ISD_ROW_LOADS = ISD_ROW_VALS // ISD_THREADS
+ISD_UNROLL = 8                # dims per step of the score dot (idx_dim must be a multiple)
 
 
 def indexer_decode_blocks(n_rows: int) -> int:
     """Blocks of indexer_scores (decode) for n_rows rows."""
     return (n_rows + ISD_ROWS - 1) // ISD_ROWS
+
+
+@cuda.jit(device=True)
+def _next_pair(h, i, step_h, step_i, dim):
+    """(h, i) of k + step for k = h·dim + i, step = step_h·dim + step_i (i, step_i < dim)."""
+    i += step_i
+    h += step_h
+    if i >= dim:
+        i -= dim
+        h += 1
+    return h, i
 
 
 @cuda.jit(cache=True)
@@ -1141,37 +1153,54 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     terms = cuda.shared.array((ISD_ROWS, ISC_HEADS), float32)
     w_s = cuda.shared.array(ISC_HEADS, float32)
     iq = iq_all[t]
-    n_q = int32(n_ihead * idx_dim)
-    dim = int32(idx_dim)
-    stride = int32(n_ihead + 1)
+    n_q = n_ihead * idx_dim
+    dim = idx_dim
+    stride = n_ihead + 1
     q_vals = cuda.local.array(ISD_Q_LOADS, float32)
     row_vals = cuda.local.array(ISD_ROW_LOADS, float32)
     for u in range(ISD_Q_LOADS):
-        k = int32(tid + u * ISD_THREADS)
+        k = tid + u * ISD_THREADS
         q_vals[u] = iq[k] if k < n_q else float32(0.0)
-    for u in range(ISD_ROW_LOADS):
-        k = int32(tid + u * ISD_THREADS)
-        r = k // dim
-        c = first + r
-        row_vals[u] = icache[c, k - r * dim] if r < ISD_ROWS and c < n_rows else float32(0.0)
+    # (h, i) of k = tid + u·ISD_THREADS = h·dim + i, stepped without a division per value: numba
+    # does integer arithmetic in 64 bits, and a 64-bit division is a ~70-instruction subroutine
+    # (ncu: ~7k instructions per warp when this kernel divided per staged value)
+    step_h = ISD_THREADS // dim
+    step_i = ISD_THREADS - step_h * dim
+    h0 = tid // dim
+    i0 = tid - h0 * dim
+    h = h0
+    i = i0
+    for u in range(ISD_ROW_LOADS):            # here h counts rows
+        c = first + h
+        row_vals[u] = icache[c, i] if h < ISD_ROWS and c < n_rows else float32(0.0)
+        h, i = _next_pair(h, i, step_h, step_i, dim)
     if tid < n_ihead:
         w_s[tid] = head_w_all[t, tid] * float32(weight_scale)
+    h = h0
+    i = i0
     for u in range(ISD_Q_LOADS):
-        k = int32(tid + u * ISD_THREADS)
-        if k < n_q:
-            h = k // dim
-            iq_t[(k - h * dim) * stride + h] = q_vals[u]
+        if h < n_ihead:
+            iq_t[i * stride + h] = q_vals[u]
+        h, i = _next_pair(h, i, step_h, step_i, dim)
     for u in range(ISD_ROW_LOADS):
-        k = int32(tid + u * ISD_THREADS)
+        k = tid + u * ISD_THREADS
         if k < ISD_ROWS * dim:
             rows[k] = row_vals[u]
     cuda.syncthreads()
     r = tid // ISC_HEADS
     h = tid - r * ISC_HEADS
     if h < n_ihead:
+        # dims in order, ISD_UNROLL at a time (idx_dim % ISD_UNROLL == 0, the engine checks): the
+        # inner loop over a constant unrolls, and unsigned indices skip numba's negative-index code
         dot = float32(0.0)
-        for i in range(dim):
-            dot += rows[r * dim + i] * iq_t[i * stride + h]
+        at_row = uint64(r * dim)
+        at_q = uint64(h)
+        step_q = uint64(stride)
+        for _ in range(dim // ISD_UNROLL):
+            for j in range(ISD_UNROLL):
+                dot += rows[at_row + uint64(j)] * iq_t[at_q + uint64(j) * step_q]
+            at_row += uint64(ISD_UNROLL)
+            at_q += uint64(ISD_UNROLL) * step_q
         terms[r, h] = dot
     cuda.syncthreads()
     c = first + tid
