@@ -731,6 +731,9 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
     collapse_norm_q8(state[t], gate, w32, norm_off, rms_eps, x_out[t], xq[t], xd[t], scratch64)
 
 
+RMS_VALS = 8             # values per thread rmsnorm_q8 keeps in registers (n <= RMS_VALS x threads)
+
+
 @cuda.jit(cache=True)
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization: one block per token (grid (1, T)), on
@@ -739,12 +742,37 @@ def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     n = x.shape[1]
+    nthr = cuda.blockDim.x
     scratch64 = cuda.shared.array(BLOCK, float64)
+    if USE_SHUFFLES and n <= RMS_VALS * nthr and n % 32 == 0:        # block-uniform
+        # the thread's values and norm weights in registers, loaded together; warp w's 32 values
+        # of a pass are one Q8_0 block, quantized by shuffles (no barrier, no re-read): the
+        # loads-then-sum loops cost one memory round trip each (the q norm sits on the critical
+        # path of every layer). The same sums and products as the loop below.
+        vals = cuda.local.array(RMS_VALS, float32)
+        norm_w = cuda.local.array(RMS_VALS, float32)
+        for k in range(RMS_VALS):
+            i = tid + k * nthr
+            if i < n:
+                vals[k] = x[t, i]
+                norm_w[k] = w32[norm_off + i]
+        sumsq = float64(0.0)
+        for k in range(RMS_VALS):
+            if tid + k * nthr < n:
+                sumsq += float64(vals[k]) * float64(vals[k])
+        scale = rms_scale(block_sum(sumsq, scratch64), n, eps)
+        for k in range(RMS_VALS):
+            i = tid + k * nthr
+            if i < n:                            # warp-uniform: n % 32 == 0
+                value = vals[k] * scale * norm_w[k]
+                x_out[t, i] = value
+                quantize_q8_0_lane(value, i // 32, tid % 32, xq[t], xd[t])
+        return
     sumsq = float64(0.0)
-    for i in range(tid, n, cuda.blockDim.x):
+    for i in range(tid, n, nthr):
         sumsq += float64(x[t, i]) * float64(x[t, i])
     scale = rms_scale(block_sum(sumsq, scratch64), n, eps)
-    for i in range(tid, n, cuda.blockDim.x):
+    for i in range(tid, n, nthr):
         x_out[t, i] = x[t, i] * scale * w32[norm_off + i]
     cuda.syncthreads()
     quantize_q8_0_block_values(x_out[t], xq[t], xd[t])
