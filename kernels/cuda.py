@@ -569,10 +569,12 @@ def _f16_kernel(S, T, R=1):
             wrow[r] = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
         if row_first < rows:
             nfull = npairs >> 5
-            if R == 1 and T == 1:
-                # decode: the weight and activation words of _F16_U of the warp's steps are loaded
-                # before the first is used (a dependent load per step left the 16 MB indexer q_b
-                # at 11 us, ncu on the H200); the same steps, the same fma order
+            if R == 1 and T == 1 and S > 1:
+                # decode, split-K: the weight and activation words of _F16_U of the warp's steps
+                # are loaded before the first is used; the same steps, the same fma order (ncu on
+                # the H200: indexer proj 4096->64 11 -> 3.3 us, router 5.5 -> 4.5; but the one-warp-
+                # per-row indexer q_b 1024->8192 went 11 -> 17 us in chunks of 8, so S = 1 keeps
+                # the loop below)
                 wv = cuda.local.array(_F16_U, uint32)
                 xv = cuda.local.array(_F16_U, complex64)
                 n_mine = (nfull - w + S - 1) // S
