@@ -461,6 +461,30 @@ def hc_post(state, f_a, f_b, post, comb):
 
 
 @cuda.jit(device=True)
+def sum_chunk_rows(part, vals, scale, out):
+    """out[row] = (Σ_chunk part[row, chunk]) · scale for every row (GPU path; all threads call): a
+    warp per row, its lanes the chunks (at most 32), shuffle sums. Warp w takes rows w, w + n_warps,
+    ... and loads the partials of len(vals) of them (vals: the caller's local array, of a constant
+    length, so the loops unroll) before the first sum: one L2 round trip, not one per row."""
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    n_warps = cuda.blockDim.x // 32
+    n_rows, n_chunks = part.shape
+    per_warp = vals.shape[0]
+    for first in range(tid // 32, n_rows, per_warp * n_warps):     # one pass with >= BLOCK threads
+        for k in range(per_warp):
+            row = first + k * n_warps
+            vals[k] = 0
+            if row < n_rows and lane < n_chunks:
+                vals[k] = part[row, lane]
+        for k in range(per_warp):
+            row = first + k * n_warps
+            total = warp_sum_f32(vals[k])
+            if lane == 0 and row < n_rows:
+                out[row] = total * scale
+
+
+@cuda.jit(device=True)
 def hc_mix_values(part_dot, part_sq, n, eps, mix):
     """mix[row] = (Σ_chunk partial dots) · rsqrt(mean(flat²) + eps) (§6.2) into shared memory,
     then a barrier: the consumers (hc_pre, hc_head) finish the mix themselves instead of a
@@ -470,22 +494,9 @@ def hc_mix_values(part_dot, part_sq, n, eps, mix):
     n_rows, n_chunks = part_dot.shape
     if USE_SHUFFLES:
         lane = tid % 32
-        n_warps = cuda.blockDim.x // 32
-        # every partial is loaded before the first sum (loops over a constant unroll): one L2 round
-        # trip instead of one per row (rows warp, warp + n_warps, ...: the same sums as before)
-        # (one pass of the outer loop with >= BLOCK threads; smaller blocks, as in the tests, loop)
         sq = warp_sum_f32(part_sq[lane] if lane < n_chunks else float64(0.0))
-        scale = rms_scale(sq, n, eps)
         dots = cuda.local.array(MIX_PER_WARP, float32)
-        for first in range(tid // 32, n_rows, MIX_PER_WARP * n_warps):
-            for k in range(MIX_PER_WARP):
-                row = first + k * n_warps
-                dots[k] = part_dot[row, lane] if row < n_rows and lane < n_chunks else float32(0.0)
-            for k in range(MIX_PER_WARP):
-                row = first + k * n_warps
-                dot = warp_sum_f32(dots[k])
-                if lane == 0 and row < n_rows:
-                    mix[row] = dot * scale
+        sum_chunk_rows(part_dot, dots, rms_scale(sq, n, eps), mix)
     elif tid < n_rows:
         sq = float64(0.0)
         for c in range(n_chunks):
@@ -632,18 +643,8 @@ def gram_values(part_gram, gram):
     tid = cuda.threadIdx.x
     n_pairs, n_chunks = part_gram.shape
     if USE_SHUFFLES:
-        lane = tid % 32
-        n_warps = cuda.blockDim.x // 32
-        parts = cuda.local.array(GRAM_PER_WARP, float64)       # loads first, as in hc_mix_values
-        for first in range(tid // 32, n_pairs, GRAM_PER_WARP * n_warps):
-            for k in range(GRAM_PER_WARP):
-                pair = first + k * n_warps
-                parts[k] = part_gram[pair, lane] if pair < n_pairs and lane < n_chunks else float64(0.0)
-            for k in range(GRAM_PER_WARP):
-                pair = first + k * n_warps
-                total = warp_sum_f32(parts[k])
-                if lane == 0 and pair < n_pairs:
-                    gram[pair] = total
+        parts = cuda.local.array(GRAM_PER_WARP, float64)
+        sum_chunk_rows(part_gram, parts, float64(1.0), gram)
     elif tid < n_pairs:
         total = float64(0.0)
         for c in range(n_chunks):
