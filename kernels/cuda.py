@@ -521,7 +521,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
-_F16_U = 8     # steps whose words an F16 decode warp loads before it uses the first
+_F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
 
 
 def _f16_kernel(S, T, R=1):
