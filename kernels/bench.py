@@ -486,13 +486,15 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     (every (row, slot) unit is one warp's work), only the time changes."""
     from . import cuda as CK
     res = []
-    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_R_DOWN")
+    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_R_DOWN", "_NW_DOWN")
     saved = tuple(getattr(CK, n) for n in names)
     # (the gate/up decode kernel holds x in 32 registers and uses 125: 2 blocks of 8 warps per SM;
     # a cap of 80 gives 3 blocks, 64 gives 4, at the price of spills: ptxas -maxrregcount 80 spills
     # 140 bytes, 96 spills too and still fits only 2 blocks)
-    variants = [(8, 8, 0, 1), (4, 8, 0, 1), (2, 8, 0, 1), (8, 4, 0, 1), (8, 8, 80, 1), (8, 8, 64, 1),
-                (4, 4, 80, 1), (8, 16, 0, 1), (8, 8, 0, 2), (8, 8, 0, 3)]
+    # down: _NW_DOWN 0 = one warp per slot (6 warps, a row per block, none idle)
+    variants = [(8, 8, 0, 1, 8), (4, 8, 0, 1, 8), (2, 8, 0, 1, 8), (8, 4, 0, 1, 8), (8, 8, 80, 1, 8),
+                (8, 8, 64, 1, 8), (4, 4, 80, 1, 8), (8, 16, 0, 1, 8), (8, 8, 0, 2, 8), (8, 8, 0, 3, 8),
+                (8, 8, 0, 1, 0), (8, 8, 0, 2, 0)]
     try:
         for v in variants:
             for n, value in zip(names, v):
@@ -500,7 +502,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
             for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
                 r["variant"] = dict(zip(names, v))
                 res.append(r)
-                log(f"  [gate/up rows {v[0]} warps {v[1]} regs {v[2] or '-'}; down R {v[3]}] "
+                log(f"  [gate/up rows {v[0]} warps {v[1]} regs {v[2] or '-'}; down R {v[3]} warps {v[4] or 'n_used'}] "
                     f"{r['name'][:34]:34s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
     finally:
         for n, value in zip(names, saved):

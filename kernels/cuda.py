@@ -1160,6 +1160,8 @@ _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once pe
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _R_DOWN = 1          # (row, slot) units per warp in the down decode kernel (1: 23.1 us, 2: 29.0, 3: 24.5 on the H200)
+_NW_DOWN = 8         # warps per down decode block; 0: one per slot (with 6 slots and R = 1, 2 of
+                     # the 8 warps of a one-row block idle; not measured yet, kbench tune_moe has it)
 
 
 @_inline
@@ -1232,10 +1234,10 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
     return moe_gate_up_decode
 
 
-def _moe_down_decode_kernel(wtype, NCH, R):
+def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
     rowdots = _rowdots(wtype, 1, R, NCH)
     stage = _stages_x(wtype)
-    UPB = _NW_MOE * R                  # (row, slot) units per block
+    UPB = NW * R                       # (row, slot) units per block
 
     @cuda.jit
     def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
@@ -1712,13 +1714,14 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     a16, a32, _ = _arena_views(arena)
     NCH = _nch(n_ff)
     R = _R_DOWN
-    if n_used > _NW_MOE * R:
-        raise ValueError(f"moe_down: at most {_NW_MOE * R} experts per token")
-    kernel = _cached(("moe_down_dec", down_type, NCH, R),
-                     lambda: _moe_down_decode_kernel(down_type, NCH, R))
+    NW = _NW_DOWN or n_used
+    if n_used > NW * R:
+        raise ValueError(f"moe_down: at most {NW * R} experts per token")
+    kernel = _cached(("moe_down_dec", down_type, NCH, R, NW),
+                     lambda: _moe_down_decode_kernel(down_type, NCH, R, NW))
     grid_g, ks_g = _iq2_tables()
-    rpb = (_NW_MOE * R) // n_used
-    kernel[(n_embd + rpb - 1) // rpb, _NW_MOE * WARP, _stream(stream),
+    rpb = (NW * R) // n_used
+    kernel[(n_embd + rpb - 1) // rpb, NW * WARP, _stream(stream),
            _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
