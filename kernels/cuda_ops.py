@@ -1150,6 +1150,17 @@ def indexer_decode_blocks(n_rows: int) -> int:
 
 
 @cuda.jit(device=True)
+def _heads_total(dots, w_s, n_ihead):
+    """score = Σ_h w_s[h]·dots[h] over the heads with a positive dot, in head order: the one
+    place both score kernels add their heads (its expression form is what they must share)."""
+    total = float32(0.0)
+    for h in range(n_ihead):
+        if dots[h] > float32(0.0):
+            total += w_s[h] * dots[h]
+    return total
+
+
+@cuda.jit(device=True)
 def _next_pair(h, i, step_h, step_i, dim):
     """(h, i) of k + step for k = h·dim + i, step = step_h·dim + step_i (i, step_i < dim)."""
     i += step_i
@@ -1183,26 +1194,25 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     w_s = cuda.shared.array(ISC_HEADS, float32)
     iq = iq_all[t]
     n_q = n_ihead * idx_dim
-    dim = idx_dim
     stride = n_ihead + 1
     q_vals = cuda.local.array(ISD_Q_LOADS, float32)
     row_vals = cuda.local.array(ISD_ROW_LOADS, float32)
     for u in range(ISD_Q_LOADS):
         k = tid + u * ISD_THREADS
         q_vals[u] = iq[k] if k < n_q else float32(0.0)
-    # (h, i) of k = tid + u·ISD_THREADS = h·dim + i, stepped without a division per value: numba
-    # does integer arithmetic in 64 bits, and a 64-bit division is a ~70-instruction subroutine
+    # (h, i) of k = tid + u·ISD_THREADS = h·idx_dim + i, stepped without a division per value:
+    # numba does integer arithmetic in 64 bits, and a 64-bit division is a ~70-instruction subroutine
     # (ncu: ~7k instructions per warp when this kernel divided per staged value)
-    step_h = ISD_THREADS // dim
-    step_i = ISD_THREADS - step_h * dim
-    h0 = tid // dim
-    i0 = tid - h0 * dim
+    step_h = ISD_THREADS // idx_dim
+    step_i = ISD_THREADS - step_h * idx_dim
+    h0 = tid // idx_dim
+    i0 = tid - h0 * idx_dim
     h = h0
     i = i0
     for u in range(ISD_ROW_LOADS):            # here h counts rows
         c = first + h
         row_vals[u] = icache[c, i] if h < ISD_ROWS and c < n_rows else float32(0.0)
-        h, i = _next_pair(h, i, step_h, step_i, dim)
+        h, i = _next_pair(h, i, step_h, step_i, idx_dim)
     if tid < n_ihead:
         w_s[tid] = head_w_all[t, tid] * float32(weight_scale)
     h = h0
@@ -1210,10 +1220,10 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     for u in range(ISD_Q_LOADS):
         if h < n_ihead:
             iq_t[i * stride + h] = q_vals[u]
-        h, i = _next_pair(h, i, step_h, step_i, dim)
+        h, i = _next_pair(h, i, step_h, step_i, idx_dim)
     for u in range(ISD_ROW_LOADS):
         k = tid + u * ISD_THREADS
-        if k < ISD_ROWS * dim:
+        if k < ISD_ROWS * idx_dim:
             rows[k] = row_vals[u]
     cuda.syncthreads()
     r = tid // ISC_HEADS
@@ -1222,10 +1232,10 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
         # dims in order, ISD_UNROLL at a time (idx_dim % ISD_UNROLL == 0, the engine checks): the
         # inner loop over a constant unrolls, and unsigned indices skip numba's negative-index code
         dot = float32(0.0)
-        at_row = uint64(r * dim)
+        at_row = uint64(r * idx_dim)
         at_q = uint64(h)
         step_q = uint64(stride)
-        for _ in range(dim // ISD_UNROLL):
+        for _ in range(idx_dim // ISD_UNROLL):
             for j in range(ISD_UNROLL):
                 dot += rows[at_row + uint64(j)] * iq_t[at_q + uint64(j) * step_q]
             at_row += uint64(ISD_UNROLL)
@@ -1234,11 +1244,7 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
     cuda.syncthreads()
     c = first + tid
     if tid < ISD_ROWS and c < n_rows:
-        total = float32(0.0)
-        for h in range(n_ihead):
-            if terms[tid, h] > float32(0.0):
-                total += w_s[h] * terms[tid, h]
-        scores_all[t, c] = total
+        scores_all[t, c] = _heads_total(terms[tid], w_s, n_ihead)
 
 
 def indexer_score_blocks(n_rows: int) -> int:
@@ -1293,11 +1299,7 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
             acc[h] = dot
     c = row0 + lane
     if c < n_rows:
-        total = float32(0.0)
-        for h in range(n_ihead):
-            if acc[h] > float32(0.0):
-                total += w_s[h] * acc[h]
-        scores_all[t, c] = total
+        scores_all[t, c] = _heads_total(acc, w_s, n_ihead)
 
 
 @cuda.jit(device=True)
