@@ -207,9 +207,10 @@ class CudaEngine:
         # back into the main stream with events, so the captured step has parallel branches and the
         # small kernels of one fill the SMs the other leaves idle: "side" takes the attention
         # compressor, the KV row and the shared expert; "aux" the indexer and the routed experts'
-        # input quantization (see _attention, _ffn_route); "pf" the decode step's L2 prefetches. The simulator has no events: there
-        # everything stays on the main stream, in order.
-        names = ("side", "aux", "pf") if self.use_graphs else ()
+        # input quantization (see _attention, _ffn_route); "hc" the HC post gates and Sinkhorn
+        # (_hc_pre), joined before the sublayer's HC post; "pf" the decode step's L2 prefetches.
+        # The simulator has no events: there everything stays on the main stream, in order.
+        names = ("side", "aux", "hc", "pf") if self.use_graphs else ()
         self.side_streams = {name: cuda.stream() for name in names}
         self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}
         self._open_branches: set[str] = set()
@@ -366,13 +367,19 @@ class CudaEngine:
 
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
         """Sublayer input from the HC state and the mixer's partials (launched by the previous
-        sublayer's _hc_post, or by _embed for the first)."""
+        sublayer's _hc_post, or by _embed for the first); the post gates and comb matrix, which
+        only this sublayer's _hc_post reads, on the "hc" stream beside it."""
         s, st = self.spec, self.stream
-        x_blocks = (s.n_embd + BLOCK - 1) // BLOCK          # + one block for the Sinkhorn comb
-        ops.hc_pre[(x_blocks + 1, b.T), BLOCK, st](
-            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32,
-            self.off32(f"{prefix}hc_{sub}_scale.weight"), self.off32(f"{prefix}hc_{sub}_base.weight"),
-            self.off32(norm_name), s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb, b.x, b.xq, b.xd)
+        scale_off = self.off32(f"{prefix}hc_{sub}_scale.weight")
+        base_off = self.off32(f"{prefix}hc_{sub}_base.weight")
+        with self._branch("hc"):
+            ops.hc_sinkhorn[(1, b.T), BLOCK, self.stream](
+                b.part_dot[:, :s.hc_mix], b.part_sq, s.n_hc * s.n_embd, self.w32, scale_off, base_off,
+                s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb)
+        x_blocks = (s.n_embd + BLOCK - 1) // BLOCK
+        ops.hc_pre[(x_blocks, b.T), BLOCK, st](
+            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32, scale_off, base_off,
+            self.off32(norm_name), s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
 
     def _embed(self, b):
         """Token embeddings into every HC stream, then the first sublayer's mixer partials."""
@@ -398,6 +405,7 @@ class CudaEngine:
 
     def _hc_post(self, b, f_a, f_b, next_fn: str):
         """HC post of the sublayer just computed (in place), then the next sublayer's mixer partials."""
+        self._join("hc")                         # its post gates and comb matrix (_hc_pre)
         ops.hc_post[(16, b.T), BLOCK, self.stream](b.state, f_a, f_b, b.post, b.comb)
         self._hc_mix(b, next_fn)
 
@@ -581,6 +589,7 @@ class CudaEngine:
         if not self.experts_resident:         # the graph is cut after the router: join inside it
             self._join()
             self._join("aux")
+            self._join("hc")
         if not self._on("router"):
             return
         self._proj(p + "ffn_gate_inp.weight", b.x, None, None, b.router, b.T)

@@ -654,23 +654,32 @@ def gram_values(part_gram, gram):
 
 
 @cuda.jit(cache=True)
-def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_off, n_iter, hc_eps,
-           rms_eps, post_out, comb_out, x_out, xq, xd):
-    """HC reduce for one sublayer: grid (n_embd/BLOCK + 1, T) blocks of BLOCK threads. The last
-    block of a token computes the post gates and the Sinkhorn comb matrix (needed only by
-    hc_post); the others take BLOCK values each of the collapse: the pre gates a_h, y = Σ a_h X_h,
-    x = y · rsqrt(Σy²/n + eps) · w (Σy² = Σ a_h a_h' G[h][h'] from the mixer's Gram partials),
-    and x quantized to Q8_0, a warp per 32-value block. A thread's state and norm loads are
-    issued before it waits for the mixer sums. Per-token rows: state[t], part_dot[t], x_out[t]..."""
+def hc_sinkhorn(part_dot, part_sq, n, w32, scale_off, base_off, n_iter, hc_eps, rms_eps, post_out,
+                comb_out):
+    """The post gates and the Sinkhorn comb matrix of one sublayer from its mixer partials (one
+    block of BLOCK threads per token, grid (1, T)); n = n_hc·n_embd. Only the sublayer's HC post
+    reads them, so the engine runs this beside hc_pre on a side stream: 20 Sinkhorn iterations on
+    one warp are a chain of shuffles that was hc_pre's longest block (ncu on the H200)."""
+    pdl_enter()
+    t = cuda.blockIdx.y
+    mix = cuda.shared.array(64, float32)
+    hc_mix_values(part_dot[t], part_sq[t], n, rms_eps, mix)
+    sinkhorn_comb(mix, w32, scale_off, base_off, post_out.shape[1], n_iter, hc_eps, post_out[t], comb_out[t])
+
+
+@cuda.jit(cache=True)
+def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_off, hc_eps, rms_eps,
+           x_out, xq, xd):
+    """HC reduce for one sublayer: grid (n_embd/BLOCK, T) blocks of BLOCK threads, each taking BLOCK
+    values of the collapse: the pre gates a_h, y = Σ a_h X_h, x = y · rsqrt(Σy²/n + eps) · w (Σy² =
+    Σ a_h a_h' G[h][h'] from the mixer's Gram partials), and x quantized to Q8_0, a warp per
+    32-value block. A thread's state and norm loads are issued before it waits for the mixer sums.
+    (The post gates and comb matrix: hc_sinkhorn.) Per-token rows: state[t], part_dot[t], x_out[t]..."""
     pdl_enter()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     _, n_hc, n_embd = state.shape
     mix = cuda.shared.array(64, float32)
-    if cuda.blockIdx.x == cuda.gridDim.x - 1:          # block-uniform
-        hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
-        sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out[t], comb_out[t])
-        return
     i = cuda.blockIdx.x * cuda.blockDim.x + tid
     inside = i < n_embd                                # warp-uniform: n_embd % 32 == 0
     # loops over the constant HC_MAX (guarded by n_hc) unroll, so these stay in registers
@@ -682,7 +691,7 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
                 values[h] = state[t, h, i]
         norm_w = w32[norm_off + i]
     gram = cuda.shared.array(HC_GRAM, float64)
-    hc_mix_values(part_dot[t], part_sq[t], n_hc * n_embd, rms_eps, mix)
+    hc_mix_values(part_dot[t, :n_hc], part_sq[t], n_hc * n_embd, rms_eps, mix)   # the pre rows only
     gram_values(part_gram[t], gram)
     gates = cuda.local.array(HC_MAX, float32)
     for h in range(HC_MAX):

@@ -68,9 +68,11 @@ def check_hc(n_tok):
     comb = cuda.device_array((n_tok, n_hc * n_hc), np.float32)
     x = cuda.device_array((n_tok, n_embd), np.float32)
     xq, xd = cuda.device_array((n_tok, n_embd), np.int8), cuda.device_array((n_tok, n_embd // 32), np.float32)
-    x_blocks = (n_embd + 64 - 1) // 64               # blocks of 64 threads: 4 collapse blocks + Sinkhorn
-    ops.hc_pre[(x_blocks + 1, n_tok), 64](d_state, part_dot, part_sq, part_gram, d_arena.view(np.float32), off32,
-                                          off32 + 3, off32 + 3 + mix_rows, 20, 1e-6, 1e-6, post, comb, x, xq, xd)
+    x_blocks = (n_embd + 64 - 1) // 64               # blocks of 64 threads: 4 collapse blocks
+    ops.hc_sinkhorn[(1, n_tok), 64](part_dot, part_sq, n_hc * n_embd, d_arena.view(np.float32), off32, off32 + 3,
+                                    20, 1e-6, 1e-6, post, comb)
+    ops.hc_pre[(x_blocks, n_tok), 64](d_state, part_dot, part_sq, part_gram, d_arena.view(np.float32), off32,
+                                      off32 + 3, off32 + 3 + mix_rows, 1e-6, 1e-6, x, xq, xd)
     f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     post_h, comb_h = post.copy_to_host(), comb.copy_to_host()
