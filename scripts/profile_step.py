@@ -29,7 +29,7 @@ def run(model_path: str, n_prompt: int, n_prefill: int = 0) -> None:
     if not os.path.exists(model_path):
         synth.build_model(model_path, "flash", "per-role", 0)
     model = open_model(model_path)
-    loaded = open_engine(model, WeightOptions(n_ctx=4096), progress=False)
+    loaded = open_engine(model, WeightOptions(n_ctx=max(4096, n_prompt + n_prefill + 64)), progress=False)
     engine = loaded.engine
     tok = Tokenizer.from_gguf(model.file)
     ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:20_000])

@@ -213,8 +213,9 @@ def check_attention():
 
 def check_indexer_select():
     """One launch for three tokens (grid (1, T)), each with its own row count and top_k cut, as
-    the rows of [T, rows] scores; every token must equal the stable top-k."""
-    cases = ((40, 8), (200, 16), (97, 100))
+    the rows of [T, rows] scores; every token must equal the stable top-k. 4500 rows: more keys
+    than the kernel keeps in shared memory (SELECT_CACHE), read from global memory instead."""
+    cases = ((40, 8), (200, 16), (97, 100), (ops.SELECT_CACHE + 404, 16))
     top_k = 16
     width = max(n for n, _ in cases)
     scores = np.full((len(cases), width), -9.0, np.float32)
