@@ -511,27 +511,27 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
 
 
 def bench_tune(timer, copy_bw, rng, log, moe):
-    """Re-time the Q8_0 decode shapes under other launch parameters: the 2-byte-load kernel
-    (q8_0_rows) against the 16-byte-load one (q8_0_rows_vec) under register caps and chunk depths.
-    Same numbers in each, only the time changes."""
+    """Re-time a few shapes under other launch parameters (chunk depth, units per warp)."""
     from . import cuda as CK
     res = []
-    names = ("_Q8_0_VEC", "_Q8_0_VEC_REGS", "_Q8_0_U")
-    saved = tuple(getattr(CK, n) for n in names)
-    variants = [(False, 0, 4), (True, 0, 4), (True, 48, 4), (True, 40, 4), (True, 0, 2), (True, 0, 8)]
-    shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
+    saved = (CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN)
     try:
-        for v in variants:
-            for n, value in zip(names, v):
-                setattr(CK, n, value)
-            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=shapes):
-                r["variant"] = dict(zip(names, v))
+        for U in (2, 8):
+            CK._Q8_0_U = U
+            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=[
+                    s for s in DENSE_SHAPES if s[0].startswith(("attn_q_a", "attn_out_b", "output"))]):
+                r["variant"] = f"Q8_0 U={U}"
                 res.append(r)
-                log(f"  [vec {v[0]} regs {v[1] or '-'} U {v[2]}] {r['name']:34s} {r['us']:8.2f} us "
-                    f"{r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+                log(f"  [U={U}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+        CK._Q8_0_U = saved[0]
+        for rpb, rdown in ((4, 2), (16, 3)):
+            CK._RPB_GATE_UP, CK._R_DOWN = rpb, rdown
+            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe):
+                r["variant"] = f"gate_up rows/block={rpb}, down units/warp={rdown}"
+                res.append(r)
+                log(f"  [rpb={rpb} R={rdown}] {r['name'][:36]:36s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
     finally:
-        for n, value in zip(names, saved):
-            setattr(CK, n, value)
+        CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN = saved
     return res
 
 

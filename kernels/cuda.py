@@ -31,8 +31,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, load_v4, mma_s8, negate_bytes,
-                               pdl_enter, prefetch_l2)
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -411,100 +410,6 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     return q8_0_rows
 
 
-_Q8_0_VEC = True   # decode Q8_0 rows through 16-byte loads (q8_0_rows_vec) where the layout allows
-_Q8_0_VEC_REGS = 0  # its register cap (0: none; 64 registers = 4 blocks per SM, 48 = 5, 40 = 6)
-
-
-def _q8_0_vec_kernel(S, U=_Q8_0_U, max_regs=0):
-    """The decode (one token) form of q8_0_rows with the same numbers bit for bit, for rows that
-    start 16-byte aligned and hold a multiple of 8 blocks (272 bytes = 17 16-byte vectors per warp
-    step). A warp reads its U steps as 16-byte vectors (17 U of them, a lane each), stages them in
-    shared memory and then each lane takes its block's scale and 8 quants from there, where
-    q8_0_rows gives every lane five 2-byte loads per step (34-byte blocks are only 2-byte aligned):
-    160 load instructions, each touching ~9 sectors, per 272 bytes. The lane roles (group g = lane/4
-    takes blocks g mod 8, t = lane%4 its quarter), the dp4a sums and the order of the f32 adds are
-    q8_0_rows's."""
-    RPB = _NW_DENSE // S
-    finish = _make_finish(S, 1)
-    WORDS = U * 68                  # 32-bit words of a warp's U steps
-    STAGE = WORDS + 4               # + the last lane's word triple overhang (rows stay 16-byte aligned)
-    NV = (U * 17 + WARP - 1) // WARP  # 16-byte loads per lane
-    NVW = 4 * NV
-
-    @_jit_capped(max_regs)
-    def q8_0_rows_vec(a32, row_w0, row_w, rows, nb, xq64, xd, out, row_w0_b, rows_a, x_group_rows):
-        pdl_enter()
-        part = cuda.shared.array((_NW_DENSE, 1), float32)
-        stage = cuda.shared.array((_NW_DENSE, STAGE), uint32)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        g = lane >> 2
-        t = lane & 3
-        w = warp % S
-        row = cuda.blockIdx.x * RPB + warp // S
-        acc = cuda.local.array(1, float32)
-        acc[0] = float32(0.0)
-        if row < rows:                      # warp-uniform
-            wrow = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
-            x_tok = row // x_group_rows
-            n_steps = nb >> 3
-            vec = cuda.local.array(NVW, uint32)
-            x_words = cuda.local.array(U, int64)
-            x_scales = cuda.local.array(U, float32)
-            for c in range(w, (n_steps + U - 1) // U, S):
-                step0 = c * U
-                n_vec = min(U, n_steps - step0) * 17
-                base = wrow + step0 * 68
-                for i in range(NV):         # every load issued before the first is used
-                    v = lane + WARP * i
-                    if v < n_vec:
-                        q = load_v4(a32, _ix(base + 4 * v))
-                        for k in range(4):
-                            vec[4 * i + k] = q[k]
-                for u in range(U):          # and this lane's activation words
-                    b = (step0 + u) * 8 + g
-                    x_words[u] = int64(0)
-                    x_scales[u] = float32(0.0)
-                    if step0 + u < n_steps:
-                        x_words[u] = xq64[_ix(x_tok * (nb * 4) + b * 4 + t)]
-                        x_scales[u] = xd[_ix(x_tok * nb + b)]
-                cuda.syncwarp()             # the previous chunk's readers are done with `stage`
-                for i in range(NV):
-                    v = lane + WARP * i
-                    if v < n_vec:
-                        for k in range(4):
-                            stage[warp, 4 * v + k] = vec[4 * i + k]
-                cuda.syncwarp()
-                for u in range(U):
-                    valid = step0 + u < n_steps
-                    hb = 17 * (u * 8 + g)                   # halfword of the block in the stage
-                    scale = (stage[warp, hb >> 1] >> uint32(16 * (hb & 1))) & _M16
-                    hq = hb + 1 + 4 * t                      # this lane's 8 quants
-                    wq = hq >> 1
-                    shift = uint64(16 * (hq & 1))
-                    w0 = uint64(stage[warp, wq])
-                    w1 = uint64(stage[warp, wq + 1])
-                    w2 = uint64(stage[warp, wq + 2])
-                    q0 = uint32(((w1 << uint64(32)) | w0) >> shift)
-                    q1 = uint32(((w2 << uint64(32)) | w1) >> shift)
-                    xv = x_words[u]
-                    xs = x_scales[u]
-                    isum = dp4a(q0, int32(xv & 0xFFFFFFFF), 0)
-                    isum = dp4a(q1, int32(xv >> 32), isum)
-                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
-                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
-                    if valid:
-                        acc[0] = cuda.fma(f16_bits_to_f32(scale) * xs, float32(isum), acc[0])
-        total = acc[0]
-        total += cuda.shfl_xor_sync(FULL_MASK, total, 16)
-        total += cuda.shfl_xor_sync(FULL_MASK, total, 8)
-        total += cuda.shfl_xor_sync(FULL_MASK, total, 4)
-        acc[0] = total
-        finish(part, acc, warp, lane, w, row, rows, 0, 1, out, rows)
-
-    return q8_0_rows_vec
-
-
 # ---- Q8_0 matmul on the int8 tensor cores (prefill) --------------------------------------------
 #
 # K = 32 is one Q8_0 block, so one mma.m16n8k32 gives the exact integer block dots of 16 rows x 8
@@ -740,14 +645,6 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
             off_b // 2, rows_a)
         return
-    if _Q8_0_VEC and n_tok == 1 and nb % 8 == 0 and all(off % 16 == 0 for off, _ in parts):
-        _, a32, _ = _arena_views(arena)
-        regs = _Q8_0_VEC_REGS
-        kernel = _cached(("q8_0_vec", S, U, regs), lambda: _q8_0_vec_kernel(S, U, regs))
-        kernel[(rows * S + _NW_DENSE - 1) // _NW_DENSE, _NW_DENSE * WARP, _stream(stream)](
-            a32, off_a // 4, 17 * nb // 2, rows, nb, _as_i64(xq), _flat(xd), _flat(out), off_b // 4,
-            rows_a, rows // x_groups)
-        return
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
@@ -829,35 +726,6 @@ def matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, x, out, stream=0):
 def matmul_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, X, out, stream=0):
     """Two F16 matrices with the same n_tok inputs in one launch: out[t] = concat(A · X[t], B · X[t])."""
     _launch_f16(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, X, out, stream)
-
-
-# ============================================================================================
-# L2 prefetch (decode)
-# ============================================================================================
-#
-# A decoded token's chain has long stretches of latency-bound kernels (the HC post, mixer and
-# pre: ~25 us per site) during which the HBM idles, followed by a big matvec (q_b: 36 MB) whose
-# warps each wait a DRAM round trip per row. A prefetch launched on a side stream at the start of
-# such a stretch asks L2 (50 MB) for the next matvec's weights, so its loads hit L2 instead.
-
-_PREFETCH_BLOCKS = 132
-_LINE_WORDS = 32          # one prefetch per 128-byte line
-
-
-@cuda.jit
-def l2_prefetch(a32, first_word, n_words):
-    pdl_enter()
-    step = cuda.gridsize(1) * _LINE_WORDS
-    for i in range(cuda.grid(1) * _LINE_WORDS, n_words, step):
-        prefetch_l2(a32, _ix(first_word + i))
-
-
-def prefetch_l2_range(arena, off, nbytes, stream=0):
-    """Ask L2 for arena bytes [off, off + nbytes) (no result, no wait; decode only)."""
-    _, a32, _ = _arena_views(arena)
-    first = off // 4
-    n_words = min((off + nbytes + 3) // 4, a32.size) - first
-    l2_prefetch[_PREFETCH_BLOCKS, 8 * WARP, _stream(stream)](a32, first, n_words)
 
 
 # ============================================================================================

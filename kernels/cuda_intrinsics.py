@@ -21,12 +21,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ends instead of being launched after it. Both are no-ops for a grid launched without a
   programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
   Nothing is emitted for GPUs before sm_90.
-* ``prefetch_l2(ary, i)``: ask L2 for the line holding ary[i] (PTX prefetch.global.L2); no result,
-  no wait: the decode step warms the L2 with the next big matvec's weights while latency-bound
-  kernels leave the memory idle.
-* ``load_v4(ary, i)``: ary[i .. i + 3] of a 32-bit array as one 16-byte load (PTX
-  ld.global.nc.v4.u32; i a multiple of 4): a quarter of the load instructions, and of the L1
-  requests, of four word loads; only for data no kernel writes while the reader runs (weights).
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -84,12 +78,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def pdl_enter():
         return None
-
-    def prefetch_l2(ary, i):
-        return None
-
-    def load_v4(ary, i):
-        return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
 
 else:
     from llvmlite import ir
@@ -206,45 +194,5 @@ else:
                 asm = "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"
                 builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
             return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, ary, index):
-        if not isinstance(ary, types.Array) or not isinstance(index, types.Integer):
-            return None
-        sig = types.void(ary, index)
-
-        def codegen(context, builder, signature, args):
-            aryty, idxty = signature.args
-            data = context.make_array(aryty)(context, builder, args[0]).data
-            ptr = builder.gep(data, [context.cast(builder, args[1], idxty, types.intp)])
-            addr = builder.ptrtoint(ptr, ir.IntType(64))
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            asm = "{ .reg .b64 g; cvta.to.global.u64 g, $0; prefetch.global.L2 [g]; }"
-            builder.call(ir.InlineAsm(fnty, asm, "l", side_effect=True), [addr])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def load_v4(typingctx, ary, index):
-        if not (isinstance(ary, types.Array) and ary.dtype == types.uint32
-                and isinstance(index, types.Integer)):
-            return None
-        ret = types.UniTuple(types.uint32, 4)
-        sig = ret(ary, index)
-
-        def codegen(context, builder, signature, args):
-            aryty, idxty = signature.args
-            data = context.make_array(aryty)(context, builder, args[0]).data
-            ptr = builder.gep(data, [context.cast(builder, args[1], idxty, types.intp)])
-            addr = builder.ptrtoint(ptr, ir.IntType(64))
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
-            asm = "{ .reg .b64 g; cvta.to.global.u64 g, $4; ld.global.nc.v4.u32 {$0, $1, $2, $3}, [g]; }"
-            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,=r,=r,l"), [addr])
-            parts = [builder.extract_value(res, i) for i in range(4)]
-            return context.make_tuple(builder, signature.return_type, parts)
 
         return sig, codegen

@@ -370,33 +370,3 @@ def test_pair_and_grouped_launches_match_cpu():
         err = np.abs(y[g * per:(g + 1) * per].astype(np.float64) - cpu.matvec(wg, F.Q8_0, xg))
         assert np.all(err <= 2 * TD.f32_sum_bound(F.Q8_0, Kd, mag)), f"group {g}"
 
-
-# (rows, K, extra offset, x groups): one warp per row and split-K (S = 2, 4, 8), a row shorter
-# than one chunk of U steps (K = 768: 3 steps), a chunk cut short (K = 2304: 9 steps), the grouped
-# projection; a 16-mod-32 offset still takes the 16-byte loads
-VEC_CASES = [(9000, 1024, 0, 1), (4100, 4096, 16, 1), (2100, 2304, 0, 1), (100, 768, 0, 1),
-             (8 * 64, 4096, 0, 8)]
-
-
-@pytest.mark.parametrize("rows,Kd,extra,groups", VEC_CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}g{c[3]}" for c in VEC_CASES])
-def test_q8_0_vec_matvec_equals_q8_0_rows(rows, Kd, extra, groups, monkeypatch):
-    """The 16-byte-load decode kernel (q8_0_rows_vec) gives q8_0_rows's numbers bit for bit,
-    alone, as the second matrix of a pair and grouped."""
-    rng = _rng(90 + rows + Kd)
-    w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
-    w_b = TD.random_weights(F.Q8_0, (37, Kd), rng)
-    arena, (off, off_b) = _arena([(w, extra), (w_b, 16)])
-    x = rng.standard_normal(groups * Kd).astype(np.float32)
-    xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
-    results = []
-    for vec in (False, True):
-        monkeypatch.setattr(K, "_Q8_0_VEC", vec)
-        out = cuda.device_array(rows + 37, np.float32)
-        if groups > 1:
-            K.matvec_q8_0_grouped(arena, off, rows, Kd, groups, xq, xd, out[:rows])
-        else:
-            K.matvec_q8_0_pair(arena, off, rows, off_b, 37, Kd, xq, xd, out)
-        results.append(out.copy_to_host()[:rows if groups > 1 else rows + 37])
-    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32)), \
-        f"max |Δ| {np.max(np.abs(results[0] - results[1])):.3g}"
-    assert np.all(np.isfinite(results[1]))
