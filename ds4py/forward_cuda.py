@@ -321,15 +321,16 @@ class CudaEngine:
             join.wait(self.main_stream)
             self._open_branches.discard(name)
 
-    def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None):
+    def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None, hc=None):
         """out[t] = W[name] · x[t] for T tokens with ds4's numerics for W's type (Q8_0 on xq/xd, F16
-        on x_f32); rows/row0/k select a block of rows and a shorter input (grouped projection)."""
+        on x_f32); rows/row0/k select a block of rows and a shorter input (grouped projection); hc
+        (Q8_0, one token): the HC post in the epilogue (_hc_epilogue)."""
         info = self.info(name)
         k = k if k is not None else info.ne[0]
         n_rows = rows if rows is not None else info.ne[1]
         off = self.off(name) + row0 * info.row_bytes
         if info.ggml_type == GGML_Q8_0:
-            qk.matmul_q8_0(self.arena, off, n_rows, k, T, xq, xd, out, self.stream)
+            qk.matmul_q8_0(self.arena, off, n_rows, k, T, xq, xd, out, self.stream, hc=hc)
         elif info.ggml_type == GGML_F16:
             qk.matmul_f16(self.arena, off, n_rows, k, T, x_f32, out, self.stream)
         else:
@@ -391,11 +392,23 @@ class CudaEngine:
         ops.hc_mix_partial[(n_rows + gram_rows, b.part_dot.shape[2], b.T), BLOCK, self.stream](
             b.state, self.w16, self.off16(fn_name), b.hc_chunk, b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
 
-    def _hc_post(self, b, f_a, f_b, next_fn: str):
-        """HC post of the sublayer just computed (in place), then the next sublayer's mixer partials."""
+    def _hc_post(self, b, f_a, f_b, next_fn: str, done: bool = False):
+        """HC post of the sublayer just computed (in place; done: the kernel that wrote f_a did it,
+        see _hc_epilogue), then the next sublayer's mixer partials."""
         self._join("hc")                         # its post gates and comb matrix (_hc_pre)
-        ops.hc_post[(16, b.T), BLOCK, self.stream](b.state, f_a, f_b, b.post, b.comb)
+        if not done:
+            ops.hc_post[(16, b.T), BLOCK, self.stream](b.state, f_a, f_b, b.post, b.comb)
         self._hc_mix(b, next_fn)
+
+    def _hc_epilogue(self, b, f_b):
+        """The HC post as the epilogue of the decode kernel that writes the sublayer's output f_a
+        (attention: out_b's Q8_0 matvec; FFN: the MoE down kernel, f_b the shared expert): the
+        thread that writes dim d of f_a updates the n_hc streams at d (hc_post_dim, the same bits
+        as hc_post), one launch fewer on the critical path of each HC site. The caller joins the
+        "hc" stream (post gates, comb) first. None (a separate hc_post) for a prefill chunk."""
+        if b.T != 1 or not self._on("hc"):
+            return None
+        return b.state[0], f_b[0], b.post[0], b.comb[0]
 
     def _next_fn(self, il: int, sub: str) -> str:
         """The mixer weight of the sublayer after (layer il, sub)."""
@@ -451,10 +464,11 @@ class CudaEngine:
             ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                 s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
+        post_done = False
         if self._on("attn_out"):
-            self._attn_out(b, il)
+            post_done = self._attn_out(b, il)
         if self._on("hc"):
-            self._hc_post(b, b.f_attn, b.zeros, self._next_fn(il, "attn"))
+            self._hc_post(b, b.f_attn, b.zeros, self._next_fn(il, "attn"), done=post_done)
 
     def _q_a_kv(self, b, il: int, freqs):
         """q_a and kv projections (one launch), the KV row into the raw ring (side stream: only
@@ -495,9 +509,10 @@ class CudaEngine:
         ops.indexer_select[(1, T), BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
                                               b.selected, b.n_selected)
 
-    def _attn_out(self, b, il: int):
+    def _attn_out(self, b, il: int) -> bool:
         """Grouped low-rank output: 8 groups of heads through their o_lora slices, then out_b. The
-        attention output is group-major, so group g's T input rows are one contiguous block."""
+        attention output is group-major, so group g's T input rows are one contiguous block.
+        Returns whether out_b did the HC post too (decode, Q8_0 out_b: _hc_epilogue)."""
         s, st = self.spec, self.stream
         p = f"blk.{il}."
         T = b.T
@@ -522,7 +537,12 @@ class CudaEngine:
                                                                                b.low_tok)
             low = b.low_tok
         qk.quantize_q8_0(low, b.low_q, b.low_d, st)
-        self._proj(p + "attn_output_b.weight", None, b.low_q, b.low_d, b.f_attn, T)
+        name_b = p + "attn_output_b.weight"
+        hc = self._hc_epilogue(b, b.zeros) if self.info(name_b).ggml_type == GGML_Q8_0 else None
+        if hc is not None:
+            self._join("hc")
+        self._proj(name_b, None, b.low_q, b.low_d, b.f_attn, T, hc=hc)
+        return hc is not None
 
     def _on(self, group: str) -> bool:
         """False for a group of launches left out while profiling (see profile())."""
@@ -595,18 +615,26 @@ class CudaEngine:
         arena = self.source.expert_arena
         gate_type = self.info(p + "ffn_gate_exps.weight").ggml_type
         down_type = self.info(p + "ffn_down_exps.weight").ggml_type
+        post_done = False
         if self._on("moe"):
             if not prefill:                   # its input was quantized in _ffn_route
                 self._join("aux")
+                hc = self._hc_epilogue(b, b.sh_out)
+
+                def before_down():            # the shared expert's output and the post gates
+                    self._join()
+                    self._join("hc")
                 qk.moe_decode_experts(arena, b.slot_offsets[0], gate_type, down_type, b.route_w[0], clamp,
-                                      b.moe_out[0], b.moe_work, st)
+                                      b.moe_out[0], b.moe_work, st, before_down=before_down if hc else None,
+                                      hc=hc)
+                post_done = hc is not None
             else:
                 ids, table = self._prefill_experts(b, il)
                 qk.moe_prefill(arena, table, gate_type, down_type, s.n_embd, s.n_ff, b.x, ids, b.route_w, clamp,
                                b.moe_out, st)
         self._join()
         if self._on("hc"):
-            self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"))
+            self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"), done=post_done)
 
     def _prefill_experts(self, b, il: int):
         """(expert ids, offset table) for moe_prefill. Resident experts: both stay on the device

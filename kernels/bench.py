@@ -511,27 +511,25 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
 
 
 def bench_tune(timer, copy_bw, rng, log, moe):
-    """Re-time a few shapes under other launch parameters (chunk depth, units per warp)."""
+    """Re-time the big Q8_0 decode shapes under other work splits: U steps of 8 blocks per chunk
+    and S warps per row (split-K; _dense_split picks S from the shape alone, so matvec, dp4a
+    matmul and tensor-core matmul keep one summation order per shape). Only the time changes."""
     from . import cuda as CK
     res = []
-    saved = (CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN)
+    saved = (CK._Q8_0_U, CK._dense_split)
+    auto = CK._dense_split
+    shapes = [s for s in DENSE_SHAPES if s[0].startswith(("attn_q_b", "attn_out_a 4096->8192", "attn_out_b", "output"))]
     try:
-        for U in (2, 8):
+        for U, S in ((4, 0), (2, 0), (4, 2), (2, 2), (4, 4), (2, 4), (1, 4), (1, 8)):
             CK._Q8_0_U = U
-            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=[
-                    s for s in DENSE_SHAPES if s[0].startswith(("attn_q_a", "attn_out_b", "output"))]):
-                r["variant"] = f"Q8_0 U={U}"
+            CK._dense_split = auto if not S else (lambda rows, chunks, S=S: max(1, min(S, chunks)))
+            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=shapes):
+                r["variant"] = dict(U=U, S=S or "auto")
                 res.append(r)
-                log(f"  [U={U}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
-        CK._Q8_0_U = saved[0]
-        for rpb, rdown in ((4, 2), (16, 3)):
-            CK._RPB_GATE_UP, CK._R_DOWN = rpb, rdown
-            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe):
-                r["variant"] = f"gate_up rows/block={rpb}, down units/warp={rdown}"
-                res.append(r)
-                log(f"  [rpb={rpb} R={rdown}] {r['name'][:36]:36s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+                log(f"  [U={U} S={S or 'auto'}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s "
+                    f"{r['pct_copy']:5.1f} %")
     finally:
-        CK._Q8_0_U, CK._RPB_GATE_UP, CK._R_DOWN = saved
+        CK._Q8_0_U, CK._dense_split = saved
     return res
 
 

@@ -32,6 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
+from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -376,7 +377,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, xq64, xd, n_tok, out, out_ld, row_h0_b, rows_a,
-                  x_group_rows):
+                  x_group_rows, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
@@ -406,6 +407,8 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
             v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
             acc[tt] = v
         finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+        if hc_on and w == 0 and lane == 0 and row < rows:     # one token: the HC post of dim `row`
+            hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
 
     return q8_0_rows
 
@@ -616,10 +619,25 @@ def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
 
-def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None):
+def _hc_args(hc):
+    """The HC-post epilogue arguments of a one-token launch (kernels: hc_post_dim): (on, state
+    [n_hc, n_embd], f_b [n_embd], post [n_hc], comb [n_hc²]); placeholders when hc is None."""
+    if hc is None:
+        held = _KERNELS.get("hc_none")
+        if held is None:
+            held = _KERNELS["hc_none"] = (False, cuda.device_array((1, 1), np.float32),
+                                          *(cuda.device_array(1, np.float32) for _ in range(3)))
+        return held
+    state, f_b, post, comb = hc
+    return (True, state, f_b, post, comb)
+
+
+def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None, hc=None):
     """Q8_0 rows of one or two matrices `parts` = [(byte offset, rows), ...] in one launch:
     out[t] = concat(W_a · X[t], W_b · X[t]). With x_groups > 1 (one token), the rows split into
-    x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection)."""
+    x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection).
+    hc = (state, f_b, post, comb), one token and one matrix of n_embd rows: the HC post of each
+    dim as soon as its output is written (hc_post_dim), instead of an hc_post launch."""
     if K % 32 or any(off % 2 for off, _ in parts):
         raise ValueError("Q8_0: offset must be even and K a multiple of 32")
     rows = sum(r for _, r in parts)
@@ -636,8 +654,10 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     rows_a = rows_a if len(parts) > 1 else rows
     U = _Q8_0_U
     S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
+    if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
+        raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
     if mma is None:
-        mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1
+        mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1 and hc is None
     if mma:
         kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
         grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
@@ -650,13 +670,14 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
-        off_b // 2, rows_a, rows // x_groups)
+        off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
 
 
-def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None):
     """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
-    (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous)."""
-    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream)
+    (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous). hc: see
+    _launch_q8_0 (one token)."""
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, hc=hc)
 
 
 def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
@@ -1247,7 +1268,7 @@ def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
 
     @cuda.jit
     def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
-                        grid_g, ks_g):
+                        grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
@@ -1290,6 +1311,8 @@ def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
             for k in range(n_used):          # slot order, as ds4 adds them
                 acc = acc + part[t * n_used + k]
             out[r0 + t] = acc
+            if hc_on:                        # the HC post of this dim (f_b: the shared expert)
+                hc_post_dim(hc_state, r0 + t, acc + hc_fb[r0 + t], hc_post, hc_comb)
 
     return moe_down_decode
 
@@ -1711,10 +1734,11 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), grid_g, ks_g)
 
 
-def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0):
+def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0, hc=None):
     """out[r] = sum over slots k (in order) of W_down[e_k][r] . Q8_K(mid[k]); ONE launch.
 
-    mq/md/mbs: Q8_K of mid (n_used*n_ff values, quantized as one vector); out: f32[n_embd]."""
+    mq/md/mbs: Q8_K of mid (n_used*n_ff values, quantized as one vector); out: f32[n_embd].
+    hc = (state, f_b, post, comb): the HC post of each dim once its sum is written (_hc_args)."""
     _check_moe_types(down_type, down_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _ = _arena_views(arena)
@@ -1731,7 +1755,7 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
            _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
-        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), grid_g, ks_g)
+        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), grid_g, ks_g, *_hc_args(hc))
 
 
 class MoEWorkspace:
@@ -1765,12 +1789,17 @@ def moe_decode_input(x, ws, stream=0):
     quantize_q8_k(x, ws.xq, ws.xd, ws.xbs, stream)
 
 
-def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream=0):
-    """moe_decode after moe_decode_input: gate+up, the middle's Q8_K, down (3 launches)."""
+def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream=0,
+                       before_down=None, hc=None):
+    """moe_decode after moe_decode_input: gate+up, the middle's Q8_K, down (3 launches);
+    before_down() is called between the last two (the engine joins a side stream there), hc is
+    moe_down's."""
     moe_gate_up(arena, slot_offsets, gate_type, ws.n_embd, ws.n_ff, ws.xq, ws.xd, route_w, clamp,
                 ws.mid, stream, bsums=ws.xbs)
     quantize_q8_k(ws.mid, ws.mq, ws.md, ws.mbs, stream)
-    moe_down(arena, slot_offsets, down_type, ws.n_ff, ws.n_embd, ws.mq, ws.md, ws.mbs, out, stream)
+    if before_down is not None:
+        before_down()
+    moe_down(arena, slot_offsets, down_type, ws.n_ff, ws.n_embd, ws.mq, ws.md, ws.mbs, out, stream, hc=hc)
 
 
 _T_MOE_PREFILL = 4

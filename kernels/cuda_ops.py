@@ -444,20 +444,33 @@ def hc_post(state, f_a, f_b, post, comb):
     Token t = blockIdx.y: state [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb
     [T, n_hc²]. (Fused with the next mixer's partial dots it was slower, twice: 17 us per launch
     against 5.5 + 6 (session 2), and an out-of-place version over the mixer's grid 15.9 us against
-    5.4 + 7.8, whole step +0.3 ms (session 3); ncu and leave-one-out on the H200.)"""
+    5.4 + 7.8, whole step +0.3 ms (session 3); ncu and leave-one-out on the H200. The decode step
+    runs it instead in the epilogue of the kernel that writes f_a: hc_post_dim.)"""
     pdl_enter()
     t = cuda.blockIdx.y
-    _, n_hc, n_embd = state.shape
-    old = cuda.local.array(16, float32)
+    n_embd = state.shape[2]
     for d in range(cuda.grid(1), n_embd, cuda.gridDim.x * cuda.blockDim.x):
-        f = f_a[t, d] + f_b[t, d]
-        for i in range(n_hc):
-            old[i] = state[t, i, d]
-        for j in range(n_hc):
-            acc = post[t, j] * f
-            for i in range(n_hc):
-                acc += comb[t, i * n_hc + j] * old[i]
-            state[t, j, d] = acc
+        hc_post_dim(state[t], d, f_a[t, d] + f_b[t, d], post[t], comb[t])
+
+
+@cuda.jit(device=True)
+def hc_post_dim(state, d, f, post, comb):
+    """hc_post for one dim d of one token, in place: X_new[j][d] = post[j]·f + Σ_i C[i][j]·X_old[i][d]
+    (state [n_hc, n_embd], post [n_hc], comb [n_hc²], f = f_a[d] + f_b[d]). hc_post and the decode
+    epilogues of the Q8_0 matvec and the MoE down kernel (the sublayer's output written, the post
+    done by the same thread, one launch fewer per HC site) share it, so their bits agree."""
+    n_hc = state.shape[0]
+    old = cuda.local.array(HC_MAX, float32)      # constant trip counts: kept in registers
+    for i in range(HC_MAX):
+        if i < n_hc:
+            old[i] = state[i, d]
+    for j in range(HC_MAX):
+        if j < n_hc:
+            acc = post[j] * f
+            for i in range(HC_MAX):
+                if i < n_hc:
+                    acc += comb[i * n_hc + j] * old[i]
+            state[j, d] = acc
 
 
 @cuda.jit(device=True)

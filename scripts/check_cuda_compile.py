@@ -72,7 +72,8 @@ moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i6
 f16_rows = (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)
 gu_mma = (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables
 dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)
-q8_rows = (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64)
+hc_epi = (b1, f32a2, f32a, f32a, f32a)        # the HC-post epilogue (on, state, f_b, post, comb)
+q8_rows = (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) + hc_epi
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
@@ -88,7 +89,7 @@ quant = {
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
                                    f16_rows),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
-                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables),
+                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables + hc_epi),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

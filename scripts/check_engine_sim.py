@@ -115,9 +115,20 @@ class HostQuantKernels:
         out.copy_to_device(np.ascontiguousarray(host.reshape(out.shape), dtype=np.float32))
 
     @staticmethod
-    def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
+    def _hc_post(out, hc):
+        """The HC-post epilogue (hc = (state, f_b, post, comb) of one token) as the engine's
+        separate hc_post kernel, on the views it passed."""
+        state, f_b, post, comb = hc
+        n_hc, n_embd = state.shape
+        ops.hc_post[(16, 1), ops.BLOCK](state.reshape(1, n_hc, n_embd), out.reshape(1, n_embd),
+                                        f_b.reshape(1, n_embd), post.reshape(1, n_hc), comb.reshape(1, n_hc * n_hc))
+
+    @staticmethod
+    def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None):
         H = HostQuantKernels
         H._put(out, H._q8_0_rows(arena, off, rows, K, xq, xd))
+        if hc is not None:
+            H._hc_post(out, hc)
 
     @staticmethod
     def matmul_f16(arena, off, rows, K, n_tok, X, out, stream=0):
@@ -176,10 +187,15 @@ class HostQuantKernels:
         ws.x = _host(x).astype(np.float32)
 
     @staticmethod
-    def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream=0):
+    def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp, out, ws, stream=0,
+                           before_down=None, hc=None):
         acc = HostQuantKernels._moe_token(_host_arena(arena), _host(slot_offsets), gate_type, down_type,
                                           ws.x, _host(route_w), clamp, ws.n_ff)
+        if before_down is not None:
+            before_down()
         out.copy_to_device(acc)
+        if hc is not None:
+            HostQuantKernels._hc_post(out, hc)
 
 
 class HostHcMix:

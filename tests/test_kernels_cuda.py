@@ -370,3 +370,63 @@ def test_pair_and_grouped_launches_match_cpu():
         err = np.abs(y[g * per:(g + 1) * per].astype(np.float64) - cpu.matvec(wg, F.Q8_0, xg))
         assert np.all(err <= 2 * TD.f32_sum_bound(F.Q8_0, Kd, mag)), f"group {g}"
 
+
+
+# ------------------------------------------------------------------ HC-post epilogues (decode)
+
+def _hc_inputs(rng, n_hc=4, n_embd=N_EMBD):
+    state = rng.standard_normal((n_hc, n_embd)).astype(np.float32)
+    f_b = rng.standard_normal(n_embd).astype(np.float32)
+    post = rng.uniform(0.1, 2.0, n_hc).astype(np.float32)
+    comb = rng.uniform(0.0, 1.0, n_hc * n_hc).astype(np.float32)
+    return state, f_b, post, comb
+
+
+def _hc_post_reference(state, f_a, f_b, post, comb):
+    """The separate hc_post kernel on one token's state (a copy)."""
+    from ds4py.kernels import cuda_ops as ops
+    n_hc, n_embd = state.shape
+    d_state = cuda.to_device(state[None])
+    ops.hc_post[(16, 1), ops.BLOCK](d_state, cuda.to_device(f_a[None]), cuda.to_device(f_b[None]),
+                                    cuda.to_device(post[None]), cuda.to_device(comb[None]))
+    return d_state.copy_to_host()[0]
+
+
+def test_hc_post_epilogues_equal_hc_post(experts):
+    """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec, split-K 2;
+    the MoE down kernel) leaves the outputs unchanged and the state bit for bit as hc_post."""
+    rng = _rng(95)
+    Kd = 8192
+    w = TD.random_weights(F.Q8_0, (N_EMBD, Kd), rng)
+    arena, (off,) = _arena([w])
+    x = rng.standard_normal(Kd).astype(np.float32)
+    xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
+    state, f_b, post, comb = _hc_inputs(rng)
+    plain = cuda.device_array((1, N_EMBD), np.float32)
+    K.matmul_q8_0(arena, off, N_EMBD, Kd, 1, xq, xd, plain)
+    f_a = plain.copy_to_host()[0]
+    fused = cuda.device_array((1, N_EMBD), np.float32)
+    d_state = cuda.to_device(state)
+    K.matmul_q8_0(arena, off, N_EMBD, Kd, 1, xq, xd, fused,
+                  hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
+    assert np.array_equal(fused.copy_to_host()[0], f_a)
+    want = _hc_post_reference(state, f_a, f_b, post, comb)
+    assert not np.array_equal(want, state)
+    assert np.array_equal(d_state.copy_to_host().view(np.uint32), want.view(np.uint32)), "Q8_0 epilogue"
+
+    x = rng.standard_normal(N_EMBD).astype(np.float32)
+    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+    y, slot_off = _moe_decode_gpu(experts, x, ids, rw, 10.0)
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    K.moe_decode_input(cuda.to_device(x), ws)
+    out = cuda.device_array(N_EMBD, np.float32)
+    d_state = cuda.to_device(state)
+    calls = []
+    K.moe_decode_experts(experts["arena"], cuda.to_device(slot_off), F.IQ2_XXS, F.Q2_K,
+                         cuda.to_device(rw), 10.0, out, ws, before_down=lambda: calls.append(1),
+                         hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
+    assert calls == [1]
+    assert np.array_equal(out.copy_to_host(), y)
+    want = _hc_post_reference(state, y, f_b, post, comb)
+    assert np.array_equal(d_state.copy_to_host().view(np.uint32), want.view(np.uint32)), "MoE down epilogue"
