@@ -202,6 +202,7 @@ class CudaEngine:
                            f"{ops.ATTN_MAX_DIM}")
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.pdl = pdl                  # captured graphs with programmatic kernel -> kernel edges
+        self.fuse_hc_post = True        # decode: the HC post in its producers' epilogues (_hc_epilogue)
         self.stream = self.main_stream = cuda.stream()
         # Side streams for launches that do not depend on the main chain, forked from and joined
         # back into the main stream with events, so the captured step has parallel branches and the
@@ -406,7 +407,7 @@ class CudaEngine:
         thread that writes dim d of f_a updates the n_hc streams at d (hc_post_dim, the same bits
         as hc_post), one launch fewer on the critical path of each HC site. The caller joins the
         "hc" stream (post gates, comb) first. None (a separate hc_post) for a prefill chunk."""
-        if b.T != 1 or not self._on("hc"):
+        if b.T != 1 or not self._on("hc") or not self.fuse_hc_post:
             return None
         return b.state[0], f_b[0], b.post[0], b.comb[0]
 

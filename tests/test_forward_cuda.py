@@ -110,6 +110,46 @@ def test_gpu_logits_match_cpu_engine(model, cpu_logits):
     source.close()
 
 
+def test_hc_post_epilogues_change_no_bit(model):
+    """The decode step with the HC post in out_b's and the MoE down kernel's epilogues
+    (_hc_epilogue) gives the logits of the step with separate hc_post launches, bit for bit, at
+    every position."""
+    tokens = _tokens(8, seed=13)
+    runs = []
+    for fuse in (True, False):
+        engine, source = _engine(model, "device")
+        engine.fuse_hc_post = fuse
+        runs.append(_decode_all(engine, tokens, set(range(len(tokens)))))
+        source.close()
+    for pos in range(len(tokens)):
+        fused, plain = runs[0][pos], runs[1][pos]
+        assert np.array_equal(fused, plain), f"pos {pos}: max |Δ| {np.max(np.abs(fused - plain)):.3g}"
+
+
+def test_side_streams_change_no_bit(model):
+    """The decode step's side branches ("side", "aux", "hc", ...: launches forked from the main
+    stream and joined back with events) give the logits of the same launches all on the main
+    stream, in order, bit for bit; and so does each branch moved back alone. A missing join (a
+    kernel reading a buffer another stream has not finished writing) shows here."""
+    tokens = _tokens(6, seed=17)
+
+    def run(drop):
+        engine, source = _engine(model, "device")
+        engine.side_streams = {k: v for k, v in engine.side_streams.items() if k not in drop}
+        got = _decode_all(engine, tokens, set(range(len(tokens))))
+        source.close()
+        return got
+
+    streams, _ = _engine(model, "device")
+    names = tuple(streams.side_streams)
+    serial = run(names)
+    for drop in [()] + [(name,) for name in names]:
+        got = run(drop)
+        for pos in range(len(tokens)):
+            assert np.array_equal(got[pos], serial[pos]), \
+                f"streams without {drop or 'none'} moved back, pos {pos}: max |Δ| {np.max(np.abs(got[pos] - serial[pos])):.3g}"
+
+
 def test_gpu_prefill_then_decode_equals_decodes(model):
     tokens = _tokens(60, seed=3)
     a, sa = _engine(model, "device")

@@ -393,26 +393,29 @@ def _hc_post_reference(state, f_a, f_b, post, comb):
 
 
 def test_hc_post_epilogues_equal_hc_post(experts):
-    """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec, split-K 2;
-    the MoE down kernel) leaves the outputs unchanged and the state bit for bit as hc_post."""
+    """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec: split-K 2
+    at the model's shape, 8 on a small one; the MoE down kernel) leaves the outputs unchanged and
+    the state bit for bit as hc_post."""
     rng = _rng(95)
-    Kd = 8192
-    w = TD.random_weights(F.Q8_0, (N_EMBD, Kd), rng)
-    arena, (off,) = _arena([w])
-    x = rng.standard_normal(Kd).astype(np.float32)
-    xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
+    for n_embd, Kd, n_hc in ((N_EMBD, 8192, 4), (256, 1024, 4), (256, 512, 2)):
+        w = TD.random_weights(F.Q8_0, (n_embd, Kd), rng)
+        arena, (off,) = _arena([w])
+        x = rng.standard_normal(Kd).astype(np.float32)
+        xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
+        state, f_b, post, comb = _hc_inputs(rng, n_hc, n_embd)
+        plain = cuda.device_array((1, n_embd), np.float32)
+        K.matmul_q8_0(arena, off, n_embd, Kd, 1, xq, xd, plain)
+        f_a = plain.copy_to_host()[0]
+        fused = cuda.device_array((1, n_embd), np.float32)
+        d_state = cuda.to_device(state)
+        K.matmul_q8_0(arena, off, n_embd, Kd, 1, xq, xd, fused,
+                      hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
+        assert np.array_equal(fused.copy_to_host()[0], f_a)
+        want = _hc_post_reference(state, f_a, f_b, post, comb)
+        assert not np.array_equal(want, state)
+        assert np.array_equal(d_state.copy_to_host().view(np.uint32), want.view(np.uint32)), \
+            f"Q8_0 epilogue, {n_embd} x {Kd}, n_hc {n_hc}"
     state, f_b, post, comb = _hc_inputs(rng)
-    plain = cuda.device_array((1, N_EMBD), np.float32)
-    K.matmul_q8_0(arena, off, N_EMBD, Kd, 1, xq, xd, plain)
-    f_a = plain.copy_to_host()[0]
-    fused = cuda.device_array((1, N_EMBD), np.float32)
-    d_state = cuda.to_device(state)
-    K.matmul_q8_0(arena, off, N_EMBD, Kd, 1, xq, xd, fused,
-                  hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
-    assert np.array_equal(fused.copy_to_host()[0], f_a)
-    want = _hc_post_reference(state, f_a, f_b, post, comb)
-    assert not np.array_equal(want, state)
-    assert np.array_equal(d_state.copy_to_host().view(np.uint32), want.view(np.uint32)), "Q8_0 epilogue"
 
     x = rng.standard_normal(N_EMBD).astype(np.float32)
     ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
