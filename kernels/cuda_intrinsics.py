@@ -21,6 +21,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ends instead of being launched after it. Both are no-ops for a grid launched without a
   programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
   Nothing is emitted for GPUs before sm_90.
+* ``prefetch_l2(ary, i)``: ask L2 for the line holding ary[i] (PTX prefetch.global.L2); no result,
+  no wait: the decode step warms the L2 with the next big matvec's weights while latency-bound
+  kernels leave the memory idle.
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -77,6 +80,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         return np.uint32(out)
 
     def pdl_enter():
+        return None
+
+    def prefetch_l2(ary, i):
         return None
 
 else:
@@ -193,6 +199,24 @@ else:
                 fnty = ir.FunctionType(ir.VoidType(), [])
                 asm = "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"
                 builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, ary, index):
+        if not isinstance(ary, types.Array) or not isinstance(index, types.Integer):
+            return None
+        sig = types.void(ary, index)
+
+        def codegen(context, builder, signature, args):
+            aryty, idxty = signature.args
+            data = context.make_array(aryty)(context, builder, args[0]).data
+            ptr = builder.gep(data, [context.cast(builder, args[1], idxty, types.intp)])
+            addr = builder.ptrtoint(ptr, ir.IntType(64))
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
+            asm = "{ .reg .b64 g; cvta.to.global.u64 g, $0; prefetch.global.L2 [g]; }"
+            builder.call(ir.InlineAsm(fnty, asm, "l", side_effect=True), [addr])
             return context.get_dummy_value()
 
         return sig, codegen
