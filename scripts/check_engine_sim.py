@@ -245,6 +245,23 @@ class FileArenaSource:
         return (g.offset, u.offset, d.offset, g.nbytes // n_exp, u.nbytes // n_exp, d.nbytes // n_exp)
 
 
+KEEP = ("zeros", "pos", "token")        # scratch the engine fills itself and then only reads
+
+
+def poison_scratch(engine):
+    """Fill every scratch buffer the step should write before it reads with NaN (ints: -1 << 30),
+    so that a buffer read before it is written (on the GPU: whatever the allocator left there)
+    shows up in the logits instead of passing as the simulator's zeroed memory."""
+    sc = engine.scratch
+    arrays = [a for name, a in sc.tok.items() if name not in KEEP] + [a for a, _ in sc.flat.values()]
+    arrays += [sc.logits, sc.next_token, sc.argmax_val, sc.argmax_idx]
+    if sc.moe_work is not None:
+        arrays += [a for a in vars(sc.moe_work).values() if hasattr(a, "copy_to_device")]
+    for a in arrays:
+        fill = np.nan if a.dtype.kind == "f" else -(1 << 30) if a.dtype.itemsize >= 4 else -128
+        a.copy_to_device(np.full(a.shape, fill, a.dtype))
+
+
 def main(n_tokens):
     fc.qk = HostQuantKernels
     from ds4py.forward_cpu import CpuEngine
@@ -256,6 +273,7 @@ def main(n_tokens):
         tokens = [int(t) for t in rng.integers(0, 129_000, size=n_tokens)]
         cpu = CpuEngine(model, n_ctx=64)
         gpu = fc.CudaEngine(model, FileArenaSource(model), 64)
+        poison_scratch(gpu)
         worst = 1.0
         for pos, tok in enumerate(tokens):
             want = np.asarray(cpu.decode(tok), np.float64)
