@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine: GPU tests, the engine benchmark, a per-kernel ncu profile of one decode step
 # and (optional) ncu counters of chosen kernels (moe: NCU_REGEX, NCU_COUNT). Everything lands in $OUT (8 files at most).
-# usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [kbench] [moe]
+# usage (device run, carry [".whl", ".data"]): bash scripts/device-engine.sh [tests] [bench] [kernels] [kbench] [moe] [sanitize]
 # (BENCH_CHUNKS="1024 2048": the bench again at those prefill chunk sizes)
 source scripts/device-prelude.sh || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
@@ -41,4 +41,15 @@ if [[ $parts == *" moe "* ]]; then
     -k "${NCU_REGEX:-regex:moe_}" --launch-count ${NCU_COUNT:-6} \
     python3 scripts/profile_step.py ${PROFILE_ARGS:-} > $OUT/ncu_moe.txt 2>&1
   grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ" $OUT/ncu_moe.txt | head -${NCU_LINES:-60}
+fi
+if [[ $parts == *" sanitize "* ]]; then
+  # compute-sanitizer over GPU tests (SAN_TESTS, default: the GPU-vs-CPU logits test) with each
+  # tool of SAN_TOOLS: initcheck (device memory read before any write), racecheck (shared-memory
+  # hazards), memcheck (out-of-bounds accesses)
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in ${SAN_TOOLS:-initcheck memcheck}; do
+    timeout ${SAN_S:-240} $SAN --tool $tool --print-limit 20 python3 -m pytest -m gpu -q -x -p no:warnings \
+      ${SAN_TESTS:-tests/test_forward_cuda.py -k logits_match} > $OUT/sanitize_$tool.log 2>&1
+    echo "== $tool"; grep -E "ERROR SUMMARY|Uninitialized|Invalid|Race|passed|failed|at 0x|by thread" $OUT/sanitize_$tool.log | head -20
+  done
 fi
