@@ -624,11 +624,10 @@ def _hc_args(hc):
     """The HC-post epilogue arguments of a one-token launch (kernels: hc_post_dim): (on, state
     [n_hc, n_embd], f_b [n_embd], post [n_hc], comb [n_hc²]); placeholders when hc is None."""
     if hc is None:
-        held = _KERNELS.get("hc_none")
-        if held is None:
-            held = _KERNELS["hc_none"] = (False, cuda.device_array((1, 1), np.float32),
-                                          *(cuda.device_array(1, np.float32) for _ in range(3)))
-        return held
+        if "hc" not in _DUMMY:
+            _DUMMY["hc"] = (False, cuda.device_array((1, 1), np.float32),
+                            *(cuda.device_array(1, np.float32) for _ in range(3)))
+        return _DUMMY["hc"]
     state, f_b, post, comb = hc
     return (True, state, f_b, post, comb)
 

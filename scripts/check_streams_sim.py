@@ -124,14 +124,14 @@ class HostQuant:
         f = getattr(sim.HostQuantKernels, name)
         if not callable(f) or isinstance(f, type):
             return f
-        params = inspect.signature(f).parameters
+        sig = inspect.signature(f)
 
         def run(*args, **kw):
-            bound = inspect.signature(f).bind(*args, **kw)
+            bound = sig.bind(*args, **kw)
             stream = bound.arguments.get("stream")
             log("qk." + name, stream, list(bound.arguments.values()), self.skip)
             return f(*args, **kw)
-        return run if "stream" in params else f
+        return run if "stream" in sig.parameters else f
 
 
 def main(with_pf):

@@ -110,20 +110,25 @@ def test_gpu_logits_match_cpu_engine(model, cpu_logits):
     source.close()
 
 
+def _decode_configured(model, tokens, configure):
+    """Logits at every position of a device-resident engine that configure(engine) set up first."""
+    engine, source = _engine(model, "device")
+    configure(engine)
+    got = _decode_all(engine, tokens, set(range(len(tokens))))
+    source.close()
+    return got
+
+
 def test_hc_post_epilogues_change_no_bit(model):
     """The decode step with the HC post in out_b's and the MoE down kernel's epilogues
     (_hc_epilogue) gives the logits of the step with separate hc_post launches, bit for bit, at
     every position."""
     tokens = _tokens(8, seed=13)
-    runs = []
-    for fuse in (True, False):
-        engine, source = _engine(model, "device")
-        engine.fuse_hc_post = fuse
-        runs.append(_decode_all(engine, tokens, set(range(len(tokens)))))
-        source.close()
+    fused = _decode_configured(model, tokens, lambda engine: None)
+    plain = _decode_configured(model, tokens, lambda engine: setattr(engine, "fuse_hc_post", False))
     for pos in range(len(tokens)):
-        fused, plain = runs[0][pos], runs[1][pos]
-        assert np.array_equal(fused, plain), f"pos {pos}: max |Δ| {np.max(np.abs(fused - plain)):.3g}"
+        assert np.array_equal(fused[pos], plain[pos]), \
+            f"pos {pos}: max |Δ| {np.max(np.abs(fused[pos] - plain[pos])):.3g}"
 
 
 def test_side_streams_change_no_bit(model):
@@ -134,11 +139,9 @@ def test_side_streams_change_no_bit(model):
     tokens = _tokens(6, seed=17)
 
     def run(drop):
-        engine, source = _engine(model, "device")
-        engine.side_streams = {k: v for k, v in engine.side_streams.items() if k not in drop}
-        got = _decode_all(engine, tokens, set(range(len(tokens))))
-        source.close()
-        return got
+        def move_back(engine):
+            engine.side_streams = {k: v for k, v in engine.side_streams.items() if k not in drop}
+        return _decode_configured(model, tokens, move_back)
 
     probe, probe_source = _engine(model, "device")
     names = tuple(probe.side_streams)

@@ -371,7 +371,6 @@ def test_pair_and_grouped_launches_match_cpu():
         assert np.all(err <= 2 * TD.f32_sum_bound(F.Q8_0, Kd, mag)), f"group {g}"
 
 
-
 # ------------------------------------------------------------------ HC-post epilogues (decode)
 
 def _hc_inputs(rng, n_hc=4, n_embd=N_EMBD):
