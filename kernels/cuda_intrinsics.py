@@ -21,6 +21,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ends instead of being launched after it. Both are no-ops for a grid launched without a
   programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
   Nothing is emitted for GPUs before sm_90.
+* ``mul_rn(a, b)``, ``add_rn(a, b)``: an f32 product or sum rounded on its own (libdevice
+  __nv_fmul_rn / __nv_fadd_rn), which NVVM never contracts into an fma: where a GPU kernel must
+  round exactly as the CPU engine does (numba on the CPU does not contract).
 * ``prefetch_l2(ary, i)``: ask L2 for the line holding ary[i] (PTX prefetch.global.L2); no result,
   no wait: the decode step warms the L2 with the next big matvec's weights while latency-bound
   kernels leave the memory idle.
@@ -82,11 +85,21 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def pdl_enter():
         return None
 
+    def mul_rn(a, b):
+        return np.float32(np.float32(a) * np.float32(b))
+
+    def add_rn(a, b):
+        return np.float32(np.float32(a) + np.float32(b))
+
     def prefetch_l2(ary, i):
         return None
 
 else:
     from llvmlite import ir
+    from numba.cuda import libdevice
+
+    mul_rn = libdevice.fmul_rn
+    add_rn = libdevice.fadd_rn
     from numba import types
     from numba.cuda.extending import intrinsic
 
@@ -220,3 +233,4 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+

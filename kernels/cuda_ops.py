@@ -30,7 +30,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import pdl_enter
+from ds4py.kernels.cuda_intrinsics import add_rn, mul_rn, pdl_enter
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -466,10 +466,14 @@ def hc_post_dim(state, d, f, post, comb):
             old[i] = state[i, d]
     for j in range(HC_MAX):
         if j < n_hc:
-            acc = post[j] * f
+            # Every product and sum rounded on its own, as the CPU engine's hc_post_rows does:
+            # written as `acc += comb·old`, NVVM contracted post·f with the first product
+            # (fma(post, f, comb·old)), last-bit changes in the state that moved the tiny model's
+            # decode logits from corr 0.99989 to 0.9934 against the CPU engine (H200, session 9).
+            acc = mul_rn(post[j], f)
             for i in range(HC_MAX):
                 if i < n_hc:
-                    acc += comb[i * n_hc + j] * old[i]
+                    acc = add_rn(acc, mul_rn(comb[i * n_hc + j], old[i]))
             state[j, d] = acc
 
 

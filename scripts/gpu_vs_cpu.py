@@ -1,11 +1,29 @@
-"""GPU engine vs CPU engine logits on the tiny model, first positions, with the single-block
-vector kernels at WIDE threads (as shipped) and at BLOCK threads: a bisect aid when the GPU test's
-agreement moves. Prints correlation and rms/std per position and variant."""
+"""GPU engine vs CPU engine logits on the tiny model, first positions, under variants of how the
+decode step runs: a bisect aid when the GPU test's agreement moves. Prints correlation and
+rms/std per position and variant.
+
+Variants: as shipped (captured graph, side streams, PDL); without PDL; every launch on the main
+stream; eager launches (no graph) with and without side streams; and the shipped step after the
+device memory the engine will get was filled with 0xFF bytes (NaN) or zeros: a kernel that reads
+device memory nobody wrote gives different logits there."""
 
 import os
 import sys
 
 import numpy as np
+
+
+def _poison(byte: int, n_bytes: int = 8 << 30) -> None:
+    """Fill n_bytes of fresh device memory with `byte`, then free it: the engine's allocations
+    that follow reuse (some of) these pages."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import device_memset
+    blocks = [cuda.device_array(1 << 28, np.uint8) for _ in range(n_bytes >> 28)]
+    for block in blocks:
+        device_memset(block, byte, block.nbytes)
+    cuda.synchronize()
+    del blocks
+    cuda.current_context().deallocations.clear()
 
 
 def main(n_pos: int = 6) -> None:
@@ -14,7 +32,6 @@ def main(n_pos: int = 6) -> None:
     from ds4py.forward_cuda import CudaEngine
     from ds4py.io import sources
     from ds4py.io.spec import open_model
-    from ds4py.kernels import cuda_ops as ops
 
     path = "/tmp/tiny.gguf"
     if not os.path.exists(path):
@@ -24,20 +41,46 @@ def main(n_pos: int = 6) -> None:
     tokens = [int(t) for t in rng.integers(0, 129_000, size=n_pos)]
     cpu = CpuEngine(model, n_ctx=256)
     want = [np.asarray(cpu.decode(t), np.float64) for t in tokens]
-    shipped = ops.wide_block
-    for variant, wide in (("wide", shipped), ("block", lambda: ops.BLOCK)):
-        ops.wide_block = wide
+
+    def serial(engine):
+        engine.side_streams = {}
+
+    def eager(engine):
+        engine.use_graphs = False
+
+    def no_vec(engine):             # sessions 8's 16-byte-load Q8_0 decode kernel, where it exists
+        from ds4py.kernels import cuda as qk
+        qk._Q8_0_VEC = False
+
+    variants = {
+        "shipped": (None, ()),
+        "no-pdl": (None, (lambda e: setattr(e, "pdl", False),)),
+        "serial": (None, (serial,)),
+        "eager": (None, (eager,)),
+        "eager-serial": (None, (eager, serial)),
+        "poison-ff": (0xFF, ()),
+        "poison-00": (0x00, ()),
+        "serial-poison-ff": (0xFF, (serial,)),
+        "no-vec": (None, (no_vec,)),
+    }
+    wanted = os.environ.get("VARIANTS")          # a comma-separated subset
+    if wanted:
+        variants = {name: variants[name] for name in wanted.split(",")}
+    for name, (poison, configure) in variants.items():
+        if poison is not None:
+            _poison(poison)
         source = sources.DeviceSource(model, progress=False)
         engine = CudaEngine(model, source, 256)
+        for step in configure:
+            step(engine)
         line = []
         for pos, t in enumerate(tokens):
             got = np.asarray(engine.decode(t), np.float64)
-            corr = np.corrcoef(got, want[pos])[0, 1]
+            corr = np.corrcoef(got, want[pos])[0, 1] if np.all(np.isfinite(got)) else float("nan")
             rms = np.sqrt(np.mean((got - want[pos]) ** 2)) / np.std(want[pos])
             line.append(f"{pos}: {corr:.6f}/{rms:.3f}")
-        print(f"{variant:6s}", "  ".join(line), flush=True)
+        print(f"{name:17s}", "  ".join(line), flush=True)
         source.close()
-    ops.wide_block = shipped
 
 
 if __name__ == "__main__":

@@ -391,6 +391,22 @@ def _hc_post_reference(state, f_a, f_b, post, comb):
     return d_state.copy_to_host()[0]
 
 
+def test_hc_post_rounds_as_the_cpu_engine():
+    """hc_post (and so the decode epilogues, which share hc_post_dim) gives the CPU engine's
+    hc_post_rows bit for bit: each product and sum rounded on its own. An fma contracted by the
+    compiler changes last bits, and the tiny model's logits follow them (corr 0.99989 -> 0.9934)."""
+    from ds4py.kernels import cpu_ops
+    rng = _rng(96)
+    for n_hc, n_embd in ((4, N_EMBD), (2, 256)):
+        state, f_b, post, comb = _hc_inputs(rng, n_hc, n_embd)
+        f_a = rng.standard_normal(n_embd).astype(np.float32)
+        got = _hc_post_reference(state, f_a, f_b, post, comb)
+        want = cpu_ops.hc_post_rows((f_a + f_b)[None], state[None], post[None],
+                                    comb.reshape(1, n_hc, n_hc))[0]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+            f"n_hc {n_hc}: {np.count_nonzero(got != want)} of {got.size} values differ"
+
+
 def test_hc_post_epilogues_equal_hc_post(experts):
     """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec: split-K 2
     at the model's shape, 8 on a small one; the MoE down kernel) leaves the outputs unchanged and
