@@ -209,9 +209,9 @@ class CudaEngine:
         # small kernels of one fill the SMs the other leaves idle: "side" takes the attention
         # compressor, the KV row and the shared expert; "aux" the indexer and the routed experts'
         # input quantization (see _attention, _ffn_route); "hc" the HC post gates and Sinkhorn
-        # (_hc_pre), joined before the sublayer's HC post; "pf" the decode step's L2 prefetches.
-        # The simulator has no events: there everything stays on the main stream, in order.
-        names = ("side", "aux", "hc", "pf") if self.use_graphs else ()
+        # (_hc_pre), joined before the sublayer's HC post. The simulator has no events: there
+        # everything stays on the main stream, in order.
+        names = ("side", "aux", "hc") if self.use_graphs else ()
         self.side_streams = {name: cuda.stream() for name in names}
         self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}
         self._open_branches: set[str] = set()
@@ -321,18 +321,6 @@ class CudaEngine:
             join.record(self.side_streams[name])
             join.wait(self.main_stream)
             self._open_branches.discard(name)
-
-    def _prefetch(self, b, names):
-        """Decode: ask L2 for these tensors' weights on the "pf" stream, so that the matvec that
-        reads them later (after a stretch of latency-bound kernels) hits L2. The consumer joins
-        "pf" first (_join("pf")): the prefetch kernels only issue requests and end at once."""
-        if b.T != 1 or not self._on("prefetch") or "pf" not in self.side_streams:
-            return
-        self._join("pf")
-        with self._branch("pf"):
-            for name in names:
-                info = self.info(name)
-                qk.prefetch_l2_range(self.arena, self.off(name), info.ne[1] * info.row_bytes, self.stream)
 
     def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None, hc=None):
         """out[t] = W[name] · x[t] for T tokens with ds4's numerics for W's type (Q8_0 on xq/xd, F16
@@ -456,7 +444,6 @@ class CudaEngine:
                                  layer.ikv_state, layer.iscore_state, layer.icomp, True, pos0, b.icomp_ext)
                 if use_selected:
                     self._proj(p + "indexer.proj.weight", b.x, None, None, b.head_w, T)
-        self._join("pf")
         if self._on("attn_proj"):
             self._q_a_kv(b, il, freqs)
         if use_selected and self._on("index"):
@@ -464,7 +451,6 @@ class CudaEngine:
                 self._indexer_select(b, il, freqs, pos0)
         if self._on("attn_proj"):
             self._q_b(b, il, freqs)
-        self._prefetch(b, [p + "attn_output_a.weight"])          # during the attention
         self._join()
         self._join("aux")
         if self._on("attention"):
@@ -479,7 +465,6 @@ class CudaEngine:
             ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                 b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                 s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
-        self._join("pf")
         post_done = False
         if self._on("attn_out"):
             post_done = self._attn_out(b, il)
@@ -649,9 +634,6 @@ class CudaEngine:
                 qk.moe_prefill(arena, table, gate_type, down_type, s.n_embd, s.n_ff, b.x, ids, b.route_w, clamp,
                                b.moe_out, st)
         self._join()
-        if il + 1 < s.n_layer:                # the next attention's projections, during the HC chain
-            q = f"blk.{il + 1}."
-            self._prefetch(b, [q + "attn_q_a.weight", q + "attn_kv.weight", q + "attn_q_b.weight"])
         if self._on("hc"):
             self._hc_post(b, b.moe_out, b.sh_out, self._next_fn(il, "ffn"), done=post_done)
 
@@ -916,7 +898,7 @@ class CudaEngine:
         self.restore(saved)
 
     GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
-              "shared", "head", "prefetch")
+              "shared", "head")
 
     def profile(self, token: int, reps: int = 20) -> dict:
         """Device ms per decode step with each group of launches left out in turn (METHOD.md:

@@ -31,8 +31,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter,
-                               prefetch_l2)
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -747,35 +746,6 @@ def matvec_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, x, out, stream=0):
 def matmul_f16_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, X, out, stream=0):
     """Two F16 matrices with the same n_tok inputs in one launch: out[t] = concat(A · X[t], B · X[t])."""
     _launch_f16(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, X, out, stream)
-
-
-# ============================================================================================
-# L2 prefetch (decode)
-# ============================================================================================
-#
-# A decoded token's chain has long stretches of latency-bound kernels (the HC post, mixer and
-# pre: ~25 us per site) during which the HBM idles, followed by a big matvec (q_b: 36 MB) whose
-# warps each wait a DRAM round trip per row. A prefetch launched on a side stream at the start of
-# such a stretch asks L2 (50 MB) for the next matvec's weights, so its loads hit L2 instead.
-
-_PREFETCH_BLOCKS = 132
-_LINE_WORDS = 32          # one prefetch per 128-byte line
-
-
-@cuda.jit
-def l2_prefetch(a32, first_word, n_words):
-    pdl_enter()
-    step = cuda.gridsize(1) * _LINE_WORDS
-    for i in range(cuda.grid(1) * _LINE_WORDS, n_words, step):
-        prefetch_l2(a32, _ix(first_word + i))
-
-
-def prefetch_l2_range(arena, off, nbytes, stream=0):
-    """Ask L2 for arena bytes [off, off + nbytes) (no result, no wait; decode only)."""
-    _, a32, _ = _arena_views(arena)
-    first = off // 4
-    n_words = min((off + nbytes + 3) // 4, a32.size) - first
-    l2_prefetch[_PREFETCH_BLOCKS, 8 * WARP, _stream(stream)](a32, first, n_words)
 
 
 # ============================================================================================

@@ -24,9 +24,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``mul_rn(a, b)``, ``add_rn(a, b)``: an f32 product or sum rounded on its own (libdevice
   __nv_fmul_rn / __nv_fadd_rn), which NVVM never contracts into an fma: where a GPU kernel must
   round exactly as the CPU engine does (numba on the CPU does not contract).
-* ``prefetch_l2(ary, i)``: ask L2 for the line holding ary[i] (PTX prefetch.global.L2); no result,
-  no wait: the decode step warms the L2 with the next big matvec's weights while latency-bound
-  kernels leave the memory idle.
 
 Numba widens every integer operation on 32-bit values to 64 bits; these keep the hot
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
@@ -90,9 +87,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def add_rn(a, b):
         return np.float32(np.float32(a) + np.float32(b))
-
-    def prefetch_l2(ary, i):
-        return None
 
 else:
     from llvmlite import ir
@@ -215,22 +209,3 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, ary, index):
-        if not isinstance(ary, types.Array) or not isinstance(index, types.Integer):
-            return None
-        sig = types.void(ary, index)
-
-        def codegen(context, builder, signature, args):
-            aryty, idxty = signature.args
-            data = context.make_array(aryty)(context, builder, args[0]).data
-            ptr = builder.gep(data, [context.cast(builder, args[1], idxty, types.intp)])
-            addr = builder.ptrtoint(ptr, ir.IntType(64))
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            asm = "{ .reg .b64 g; cvta.to.global.u64 g, $0; prefetch.global.L2 [g]; }"
-            builder.call(ir.InlineAsm(fnty, asm, "l", side_effect=True), [addr])
-            return context.get_dummy_value()
-
-        return sig, codegen
-

@@ -264,23 +264,6 @@ def test_programmatic_graph_equals_ordinary_graph(model, regime):
     sf.close()
 
 
-@pytest.mark.parametrize("regime", ["device", "page-cache"])
-def test_l2_prefetch_changes_nothing(model, regime):
-    """The decode step's L2 prefetches (a side stream, joined before the matvecs that read the
-    weights) only move bytes into L2: 30 decoded tokens give bitwise the logits of a step captured
-    without them (profile()'s "prefetch" group left out)."""
-    tokens = _tokens(30, seed=6)
-    plain, sp = _engine(model, regime)
-    plain.skip = {"prefetch"}
-    fast, sf = _engine(model, regime)
-    for pos, tok in enumerate(tokens):
-        want = np.array(plain.decode(tok))
-        got = np.array(fast.decode(tok))
-        assert np.array_equal(got, want), f"position {pos}: max |Δ| {np.max(np.abs(got - want))}"
-    sp.close()
-    sf.close()
-
-
 def test_warm_up_leaves_no_trace(model):
     """warm_up (what the bench runs before its clock) prefills throwaway chunks, one past the
     indexer threshold, and restores the state: the logits that follow are bitwise those of an
