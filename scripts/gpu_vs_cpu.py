@@ -2,7 +2,8 @@
 decode step runs: a bisect aid when the GPU test's agreement moves. Prints correlation and
 rms/std per position and variant.
 
-Variants: as shipped (captured graph, side streams, PDL); without PDL; every launch on the main
+PRESET=flash runs the flash preset (per-role aliased) instead of tiny; HC_FMA=1 swaps in the
+fma-rounded HC post of sessions 2-8. Variants: as shipped (captured graph, side streams, PDL); without PDL; every launch on the main
 stream; eager launches (no graph) with and without side streams; and the shipped step after the
 device memory the engine will get was filled with 0xFF bytes (NaN) or zeros: a kernel that reads
 device memory nobody wrote gives different logits there."""
@@ -26,6 +27,30 @@ def _poison(byte: int, n_bytes: int = 8 << 30) -> None:
     cuda.current_context().deallocations.clear()
 
 
+def _hc_post_with_fma() -> None:
+    """HC_FMA=1: hc_post_dim as sessions 2-8 rounded it (post·f, then one fma per stream), swapped
+    in before the first compile (run with a NUMBA_CACHE_DIR of its own)."""
+    from numba import cuda, float32
+    from ds4py.kernels import cuda as qk, cuda_ops as ops
+
+    @cuda.jit(device=True)
+    def hc_post_dim_fma(state, d, f, post, comb):
+        n_hc = state.shape[0]
+        old = cuda.local.array(ops.HC_MAX, float32)
+        for i in range(ops.HC_MAX):
+            if i < n_hc:
+                old[i] = state[i, d]
+        for j in range(ops.HC_MAX):
+            if j < n_hc:
+                acc = post[j] * f
+                for i in range(ops.HC_MAX):
+                    if i < n_hc:
+                        acc = cuda.fma(comb[i * n_hc + j], old[i], acc)
+                state[j, d] = acc
+
+    ops.hc_post_dim = qk.hc_post_dim = hc_post_dim_fma
+
+
 def main(n_pos: int = 6) -> None:
     from ds4py import synth
     from ds4py.forward_cpu import CpuEngine
@@ -33,13 +58,17 @@ def main(n_pos: int = 6) -> None:
     from ds4py.io import sources
     from ds4py.io.spec import open_model
 
-    path = "/tmp/tiny.gguf"
+    if os.environ.get("HC_FMA") == "1":
+        _hc_post_with_fma()
+    preset = os.environ.get("PRESET", "tiny")             # flash: the full shapes, per-role aliased
+    path = f"/tmp/{preset}.gguf"
     if not os.path.exists(path):
-        synth.build_model(path, "tiny", "none", 0)
+        synth.build_model(path, preset, "per-role" if preset == "flash" else "none", 0)
     model = open_model(path)
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(0, 129_000, size=n_pos)]
-    cpu = CpuEngine(model, n_ctx=256)
+    n_ctx = 256 if preset == "tiny" else 64
+    cpu = CpuEngine(model, n_ctx=n_ctx)
     want = [np.asarray(cpu.decode(t), np.float64) for t in tokens]
 
     def serial(engine):
@@ -70,7 +99,7 @@ def main(n_pos: int = 6) -> None:
         if poison is not None:
             _poison(poison)
         source = sources.DeviceSource(model, progress=False)
-        engine = CudaEngine(model, source, 256)
+        engine = CudaEngine(model, source, n_ctx)
         for step in configure:
             step(engine)
         line = []
