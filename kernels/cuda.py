@@ -31,7 +31,7 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, pdl_enter, sign_bytes
+from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -259,11 +259,11 @@ _TABLES = None
 
 
 def _iq2_tables():
-    """Device copies of the IQ2_XXS grid (uint64[256]) and sign patterns as byte masks
-    (uint64[128], F.KSIGNS_MASKS), made once."""
+    """Device copies of the IQ2_XXS grid (uint64[256]) and sign table (uint8[128]), made once."""
     global _TABLES
     if _TABLES is None:
-        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)), cuda.to_device(F.KSIGNS_MASKS))
+        _TABLES = (cuda.to_device(F.IQ2XXS_GRID.astype(np.uint64)),
+                   cuda.to_device(F.KSIGNS_IQ2XS.astype(np.uint8)))
     return _TABLES
 
 
@@ -806,9 +806,9 @@ def _make_compute_iq2_xxs(T, x_regs=False):
         aux1 = raw[o + 2]
         for l in range(4):
             gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
-            sm = ks_s[_ix(bfe(aux1, 7 * l, 7))]              # their 8 sign byte masks
-            wv[2 * l] = sign_bytes(uint32(gv & uint64(0xFFFFFFFF)), uint32(sm & uint64(0xFFFFFFFF)))
-            wv[2 * l + 1] = sign_bytes(uint32(gv >> uint64(32)), uint32(sm >> uint64(32)))
+            s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
+            wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
+            wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
         ls = imad(bfe(aux1, 28, 4), 2, 1)                   # 2*s + 1
         dw = f16_bits_to_f32(dbits)
         xw = 9 * (8 * sb + j)
@@ -1050,7 +1050,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
     def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1218,7 +1218,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1270,7 +1270,7 @@ def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
                         grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         part = cuda.shared.array(UPB, float32)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
@@ -1328,7 +1328,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
                           xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
@@ -1392,7 +1392,7 @@ def _moe_gate_up_tiles_mma_kernel(NH):
                               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]
         if cnt <= 0:                                   # block-uniform
@@ -1607,9 +1607,9 @@ def _iq2_entry(grid_s, ks_s, aux0, aux1, l):
     """The 8 signed weights of IQ2_XXS group l (grid index byte l of aux0, sign index bits 7l.. of
     aux1) as two int8x4 words (weights 0..3, 4..7): one grid and one sign lookup for both."""
     gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]
-    sm = ks_s[_ix(bfe(aux1, 7 * l, 7))]
-    return (sign_bytes(uint32(gv & uint64(0xFFFFFFFF)), uint32(sm & uint64(0xFFFFFFFF))),
-            sign_bytes(uint32(gv >> uint64(32)), uint32(sm >> uint64(32))))
+    s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])
+    return (negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15),
+            negate_bytes(uint32(gv >> uint64(32)), (s8 >> 4) & 15))
 
 
 def _moe_down_tiles_kernel(wtype, T, NCH):
@@ -1622,7 +1622,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
                        nsb, rb, n_embd, pair_out, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint64)
+        ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
         tile = cuda.blockIdx.y
         cnt = tile_cnt[tile]

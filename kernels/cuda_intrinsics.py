@@ -11,10 +11,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   mma.sync.m16n8k32.row.col.s32.s8.s8.s32, C = 0): A 16 x 32 (row-major), B 32 x 8 (one column per
   token), the thread's four int32 results (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1).
   Exact integer dots, so a kernel that scales them per Q8_0 block gets the dp4a kernels' numbers.
-* ``sign_bytes(g, m)``: the 4 bytes of g, byte k negated where byte k of m is 0xFF (m's bytes are
-  0x00 or 0xFF). Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101) has no
-  carry between bytes. Three instructions; the IQ2_XXS kernels keep the byte masks of the 128
-  sign patterns in shared memory (F.KSIGNS_MASKS), so a group of 8 weights costs one lookup.
+* ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
+  Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
+  multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -70,9 +69,15 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def mma_s8(a0, a1, a2, a3, b0, b1):
         raise NotImplementedError("mma_s8 is a warp-wide tensor-core instruction: no simulator version")
 
-    def sign_bytes(g, m):
-        g, m = int(g) & 0xFFFFFFFF, int(m) & 0xFFFFFFFF
-        return np.uint32(((g ^ m) + (m & 0x01010101)) & 0xFFFFFFFF)
+    def negate_bytes(g, nibble):
+        g = int(g) & 0xFFFFFFFF
+        out = 0
+        for k in range(4):
+            b = (g >> (8 * k)) & 0xFF
+            if (int(nibble) >> k) & 1:
+                b = (-b) & 0xFF
+            out |= b << (8 * k)
+        return np.uint32(out)
 
     def pdl_enter():
         return None
@@ -174,18 +179,20 @@ else:
         return sig, codegen
 
     @intrinsic
-    def sign_bytes(typingctx, g, m):
-        if not all(isinstance(t, types.Integer) for t in (g, m)):
+    def negate_bytes(typingctx, g, nibble):
+        if not all(isinstance(t, types.Integer) for t in (g, nibble)):
             return None
-        sig = types.uint32(g, m)
+        sig = types.uint32(g, nibble)
 
         def codegen(context, builder, signature, args):
             vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
             fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 2)
-            asm = ("{ .reg .b32 o, t; "
-                   "xor.b32 o, $1, $2; "
-                   "and.b32 t, $2, 0x01010101; "
-                   "add.u32 $0, o, t; }")
+            asm = ("{ .reg .b32 t, m, o; "
+                   "mul.lo.u32 t, $2, 0x10204080; "      # bit k of the nibble -> bit 8k+7
+                   "prmt.b32 m, t, 0, 0xBA98; "           # byte k = 0xFF if its top bit is set
+                   "xor.b32 o, $1, m; "
+                   "and.b32 m, m, 0x01010101; "
+                   "add.u32 $0, o, m; }")
             return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
 
         return sig, codegen

@@ -94,10 +94,6 @@ def _iq2xxs_grid() -> np.ndarray:
 
 
 KSIGNS_IQ2XS = _ksigns()                         # uint8[128]
-# Each sign pattern as 8 byte masks (0xFF where the weight is negative), little-endian in a uint64:
-# the form the CUDA kernels look up (cuda_intrinsics.sign_bytes).
-KSIGNS_MASKS = np.array([sum(0xFF << (8 * k) for k in range(8) if (int(s) >> k) & 1) for s in KSIGNS_IQ2XS],
-                        dtype=np.uint64)
 IQ2XXS_GRID = _iq2xxs_grid()                     # uint64[256]
 IQ2XXS_GRID_BYTES = IQ2XXS_GRID.view(np.uint8).reshape(256, 8)   # uint8[256, 8]
 # The grid as pairs of uint32 (low 4 bytes, high 4 bytes), the form the CUDA kernels load.

@@ -66,8 +66,8 @@ def ptxas_summary(ptx: str) -> str:
 # the quant kernels of kernels/cuda.py (factories: one kernel per type and shape), as the engine
 # launches them for the flash shapes (IQ2_XXS gate/up, Q2_K down)
 IQ2, Q2K = qk.F.IQ2_XXS, qk.F.Q2_K
-u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]
-tables = (u64a, u64a)         # the IQ2_XXS grid and sign byte masks
+u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]; u8a = types.uint8[::1]
+tables = (u64a, u8a)          # the IQ2_XXS grid and sign table
 moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a) + tables
 f16_rows = (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)
 gu_mma = (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables

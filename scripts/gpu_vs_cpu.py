@@ -33,17 +33,19 @@ def _hc_post_with_fma() -> None:
     from numba import cuda, float32
     from ds4py.kernels import cuda as qk, cuda_ops as ops
 
+    n_max = ops.HC_MAX                  # a closure constant: local.array needs a compile-time size
+
     @cuda.jit(device=True)
     def hc_post_dim_fma(state, d, f, post, comb):
         n_hc = state.shape[0]
-        old = cuda.local.array(ops.HC_MAX, float32)
-        for i in range(ops.HC_MAX):
+        old = cuda.local.array(n_max, float32)
+        for i in range(n_max):
             if i < n_hc:
                 old[i] = state[i, d]
-        for j in range(ops.HC_MAX):
+        for j in range(n_max):
             if j < n_hc:
                 acc = post[j] * f
-                for i in range(ops.HC_MAX):
+                for i in range(n_max):
                     if i < n_hc:
                         acc = cuda.fma(comb[i * n_hc + j], old[i], acc)
                 state[j, d] = acc
