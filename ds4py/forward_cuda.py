@@ -115,7 +115,10 @@ class Scratch:
             qrn=d((P, s.q_lora), f32), qrn_q=d((P, s.q_lora), i8), qrn_d=d((P, s.q_lora // 32), f32),
             q=d((P, q_dim), f32),
             iq=d((P, s.n_ihead * s.idx_dim), f32), head_w=d((P, s.n_ihead), f32),
-            scores=d((P, max_rows), f32), selected=d((P, s.idx_topk), i32), n_selected=d(P, i32),
+            scores=d((P, max_rows), f32), selected=d((P, s.idx_topk), i32),
+            # zeroed: the attention of a layer without an indexer reads it (and ignores it); before the
+            # first indexer ran, compute-sanitizer's initcheck flagged that read
+            n_selected=cuda.to_device(np.zeros(P, i32)),
             part_max=d((P, s.n_head, n_splits), f32), part_den=d((P, s.n_head, n_splits), f32),
             part_acc=d((P, s.n_head, n_splits, s.head_dim), f32),
             f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
