@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import CORPUS
+from conftest import ITALIAN_SLICES
 
 from ds4py import bench
 from ds4py.errors import Ds4Error
@@ -79,10 +79,11 @@ def test_run_bench_prefills_incrementally_and_restores():
         bench.run_bench(CountingEngine(), list(range(10)), 3, [16], 2)
 
 
-@pytest.mark.skipif(not CORPUS.exists(), reason="the shared corpus is not beside this checkout")
 def test_bench_cli_on_tiny(tiny_model, tmp_path):
     csv = tmp_path / "b.csv"
-    r = subprocess.run([sys.executable, "-m", "ds4py", "bench", "-m", str(tiny_model), "--prompt-file", str(CORPUS),
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("\n".join(ITALIAN_SLICES), encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "ds4py", "bench", "-m", str(tiny_model), "--prompt-file", str(prompt),
                         "--ctx-start", "32", "--ctx-max", "96", "--step-incr", "32", "--gen-tokens", "4",
                         "--csv", str(csv)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

