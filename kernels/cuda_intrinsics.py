@@ -90,12 +90,12 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
 else:
     from llvmlite import ir
-    from numba.cuda import libdevice
-
-    mul_rn = libdevice.fmul_rn
-    add_rn = libdevice.fadd_rn
     from numba import types
+    from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
+
+    mul_rn = libdevice.fmul_rn      # never contracted into an fma (see the module docstring)
+    add_rn = libdevice.fadd_rn
 
     @intrinsic
     def dp4a(typingctx, a, b, c):

@@ -2,8 +2,8 @@
 decode step runs: a bisect aid when the GPU test's agreement moves. Prints correlation and
 rms/std per position and variant.
 
-PRESET=flash runs the flash preset (per-role aliased) instead of tiny; HC_FMA=1 swaps in the
-fma-rounded HC post of sessions 2-8. Variants: as shipped (captured graph, side streams, PDL); without PDL; every launch on the main
+PRESET=flash runs the flash preset (per-role aliased) instead of tiny; VARIANTS=a,b picks some.
+Variants: as shipped (captured graph, side streams, PDL); without PDL; every launch on the main
 stream; eager launches (no graph) with and without side streams; and the shipped step after the
 device memory the engine will get was filled with 0xFF bytes (NaN) or zeros: a kernel that reads
 device memory nobody wrote gives different logits there."""
@@ -27,32 +27,6 @@ def _poison(byte: int, n_bytes: int = 8 << 30) -> None:
     cuda.current_context().deallocations.clear()
 
 
-def _hc_post_with_fma() -> None:
-    """HC_FMA=1: hc_post_dim as sessions 2-8 rounded it (post·f, then one fma per stream), swapped
-    in before the first compile (run with a NUMBA_CACHE_DIR of its own)."""
-    from numba import cuda, float32
-    from ds4py.kernels import cuda as qk, cuda_ops as ops
-
-    n_max = ops.HC_MAX                  # a closure constant: local.array needs a compile-time size
-
-    @cuda.jit(device=True)
-    def hc_post_dim_fma(state, d, f, post, comb):
-        n_hc = state.shape[0]
-        old = cuda.local.array(n_max, float32)
-        for i in range(n_max):
-            if i < n_hc:
-                old[i] = state[i, d]
-        for j in range(n_max):
-            if j < n_hc:
-                acc = post[j] * f
-                for i in range(n_max):
-                    if i < n_hc:
-                        acc = cuda.fma(comb[i * n_hc + j], old[i], acc)
-                state[j, d] = acc
-
-    ops.hc_post_dim = qk.hc_post_dim = hc_post_dim_fma
-
-
 def main(n_pos: int = 6) -> None:
     from ds4py import synth
     from ds4py.forward_cpu import CpuEngine
@@ -60,8 +34,6 @@ def main(n_pos: int = 6) -> None:
     from ds4py.io import sources
     from ds4py.io.spec import open_model
 
-    if os.environ.get("HC_FMA") == "1":
-        _hc_post_with_fma()
     preset = os.environ.get("PRESET", "tiny")             # flash: the full shapes, per-role aliased
     path = f"/tmp/{preset}.gguf"
     if not os.path.exists(path):
@@ -79,10 +51,6 @@ def main(n_pos: int = 6) -> None:
     def eager(engine):
         engine.use_graphs = False
 
-    def no_vec(engine):             # sessions 8's 16-byte-load Q8_0 decode kernel, where it exists
-        from ds4py.kernels import cuda as qk
-        qk._Q8_0_VEC = False
-
     variants = {
         "shipped": (None, ()),
         "no-pdl": (None, (lambda e: setattr(e, "pdl", False),)),
@@ -92,7 +60,6 @@ def main(n_pos: int = 6) -> None:
         "poison-ff": (0xFF, ()),
         "poison-00": (0x00, ()),
         "serial-poison-ff": (0xFF, (serial,)),
-        "no-vec": (None, (no_vec,)),
     }
     wanted = os.environ.get("VARIANTS")          # a comma-separated subset
     if wanted:

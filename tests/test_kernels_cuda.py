@@ -384,7 +384,6 @@ def _hc_inputs(rng, n_hc=4, n_embd=N_EMBD):
 def _hc_post_reference(state, f_a, f_b, post, comb):
     """The separate hc_post kernel on one token's state (a copy)."""
     from ds4py.kernels import cuda_ops as ops
-    n_hc, n_embd = state.shape
     d_state = cuda.to_device(state[None])
     ops.hc_post[(16, 1), ops.BLOCK](d_state, cuda.to_device(f_a[None]), cuda.to_device(f_b[None]),
                                     cuda.to_device(post[None]), cuda.to_device(comb[None]))
