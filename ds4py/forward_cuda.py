@@ -144,6 +144,7 @@ class Scratch:
         self.next_token = d(1, i32)
         self.argmax_val, self.argmax_idx = d(ops.ARGMAX_BLOCKS, f32), d(ops.ARGMAX_BLOCKS, i32)
         self.forbid = cuda.to_device(np.full(1, -1, i32))
+        self.arrivals = cuda.to_device(np.zeros(1, i32))    # hc_mix_pre's finished-block count
         self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff) if n_tok == 1 else None
         # prefill: a compressor lane's state rows + the chunk's rows (compressor_chunk_*), kv and
         # scores, per lane (the two lanes run on different streams)
@@ -161,7 +162,8 @@ class Scratch:
         s = self.spec
         v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, logits=self.logits, next_token=self.next_token,
                             argmax_val=self.argmax_val, argmax_idx=self.argmax_idx, forbid=self.forbid,
-                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext)
+                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext,
+                            arrivals=self.arrivals)
         for name, a in self.tok.items():
             setattr(v, name, a[:T])
         for name, (a, width) in self.flat.items():
@@ -206,6 +208,7 @@ class CudaEngine:
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.pdl = pdl                  # captured graphs with programmatic kernel -> kernel edges
         self.fuse_hc_post = True        # decode: the HC post in its producers' epilogues (_hc_epilogue)
+        self.fuse_hc_pre = True         # decode: mixer partials, Sinkhorn and hc_pre in one launch
         self.stream = self.main_stream = cuda.stream()
         # Side streams for launches that do not depend on the main chain, forked from and joined
         # back into the main stream with events, so the captured step has parallel branches and the
@@ -361,10 +364,19 @@ class CudaEngine:
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
         """Sublayer input from the HC state and the mixer's partials (launched by the previous
         sublayer's _hc_post, or by _embed for the first); the post gates and comb matrix, which
-        only this sublayer's _hc_post reads, on the "hc" stream beside it."""
+        only this sublayer's _hc_post reads, on the "hc" stream beside it. Decode: all of it, the
+        mixer included, in one launch (hc_mix_pre)."""
         s, st = self.spec, self.stream
         scale_off = self.off32(f"{prefix}hc_{sub}_scale.weight")
         base_off = self.off32(f"{prefix}hc_{sub}_base.weight")
+        if not self._on("hc_pre"):
+            return
+        if self._fused_pre(b):
+            ops.hc_mix_pre[(s.hc_mix + s.n_hc ** 2, b.part_dot.shape[2], 1), BLOCK, st](
+                b.state, self.w16, self.off16(f"{prefix}hc_{sub}_fn.weight"), b.hc_chunk, b.part_dot, b.part_sq,
+                b.part_gram, b.arrivals, self.w32, scale_off, base_off, self.off32(norm_name), s.n_sinkhorn,
+                s.hc_eps, s.rms_eps, b.x, b.xq, b.xd, b.post, b.comb)
+            return
         with self._branch("hc"):
             ops.hc_sinkhorn[(1, b.T), BLOCK, self.stream](
                 b.part_dot[:, :s.hc_mix], b.part_sq, s.n_hc * s.n_embd, self.w32, scale_off, base_off,
@@ -373,6 +385,11 @@ class CudaEngine:
         ops.hc_pre[(x_blocks, b.T), BLOCK, st](
             b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32, scale_off, base_off,
             self.off32(norm_name), s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
+
+    def _fused_pre(self, b) -> bool:
+        """Decode runs a sublayer's mixer with its HC pre (hc_mix_pre, launched by _hc_pre); prefill
+        chunks and the head keep the mixer apart (_hc_mix)."""
+        return b.T == 1 and self.fuse_hc_pre and self._on("hc_mix")
 
     def _embed(self, b):
         """Token embeddings into every HC stream, then the first sublayer's mixer partials."""
@@ -387,6 +404,8 @@ class CudaEngine:
         before the head) over the current state, with the streams' Gram partials hc_pre needs."""
         s = self.spec
         n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
+        if not self._on("hc_mix") or (gram_rows and self._fused_pre(b)):
+            return
         if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
             assert b.hc_chunk <= ops.HC_MIX_VALS * BLOCK, "hc_mix_tokens caches HC_MIX_VALS values per thread"
             ops.hc_mix_tokens[(b.part_dot.shape[2], b.T), BLOCK, self.stream](
@@ -400,7 +419,7 @@ class CudaEngine:
         """HC post of the sublayer just computed (in place; done: the kernel that wrote f_a did it,
         see _hc_epilogue), then the next sublayer's mixer partials."""
         self._join("hc")                         # its post gates and comb matrix (_hc_pre)
-        if not done:
+        if not done and self._on("hc_post"):
             ops.hc_post[(16, b.T), BLOCK, self.stream](b.state, f_a, f_b, b.post, b.comb)
         self._hc_mix(b, next_fn)
 
@@ -410,7 +429,7 @@ class CudaEngine:
         thread that writes dim d of f_a updates the n_hc streams at d (hc_post_dim, the same bits
         as hc_post), one launch fewer on the critical path of each HC site. The caller joins the
         "hc" stream (post gates, comb) first. None (a separate hc_post) for a prefill chunk."""
-        if b.T != 1 or not self._on("hc") or not self.fuse_hc_post:
+        if b.T != 1 or not self._on("hc_post") or not self.fuse_hc_post:
             return None
         return b.state[0], f_b[0], b.post[0], b.comb[0]
 
@@ -465,9 +484,10 @@ class CudaEngine:
                 b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                 s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
-            ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
-                b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
-                s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
+            if self._on("combine"):
+                ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
+                    b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
+                    s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
         post_done = False
         if self._on("attn_out"):
             post_done = self._attn_out(b, il)
@@ -484,14 +504,16 @@ class CudaEngine:
         with self._branch():
             ops.kv_finish[(1, T), BLOCK, self.stream](b.kv, self.w32, self.off32(p + "attn_kv_a_norm.weight"),
                                                       s.rms_eps, b.pos, freqs, s.n_rot, layer.raw)
-        ops.rmsnorm_q8[(1, T), BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
-                                          b.qrn, b.qrn_q, b.qrn_d)
+        if self._on("q_norm"):
+            ops.rmsnorm_q8[(1, T), BLOCK, st](b.qr, self.w32, self.off32(p + "attn_q_a_norm.weight"), s.rms_eps,
+                                              b.qrn, b.qrn_q, b.qrn_d)
 
     def _q_b(self, b, il: int, freqs):
         """The 64 query heads: q_b, then per-head norm and RoPE."""
         s, st = self.spec, self.stream
         self._proj(f"blk.{il}.attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, b.T)
-        ops.q_heads[(s.n_head, b.T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
+        if self._on("q_heads"):
+            ops.q_heads[(s.n_head, b.T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
 
     def _indexer_select(self, b, il: int, freqs, pos0):
         """The indexer's q, scores and top-idx_topk selection of compressed rows per token (after
@@ -549,8 +571,9 @@ class CudaEngine:
         return hc is not None
 
     def _on(self, group: str) -> bool:
-        """False for a group of launches left out while profiling (see profile())."""
-        return group not in self.skip
+        """False for a group of launches left out while profiling (see profile()); a subgroup is
+        also off when its group is."""
+        return group not in self.skip and self.SUBGROUPS.get(group) not in self.skip
 
     def _compressor(self, b, prefix, ratio, head_dim, freqs, pair_flat, kv_state, score_state, cache,
                     indexer_lane, pos0, ext):
@@ -604,11 +627,12 @@ class CudaEngine:
         self._proj(p + "ffn_gate_inp.weight", b.x, None, None, b.router, b.T)
         is_hash = il < s.n_hash
         has_bias = (p + "exp_probs_b.bias") in self.model.file.tensors
-        ops.route[(1, b.T), BLOCK, st](
-            b.router, b.token, self.w32, self.off32(p + "exp_probs_b.bias") if has_bias else 0, has_bias,
-            self.i32, self.off(p + "ffn_gate_tid2eid.weight") // 4 if is_hash else 0, is_hash, s.n_used,
-            s.expert_weights_scale, self.expert_bases[il] if self.expert_bases[il] is not None
-            else self._zero_bases, b.expert_ids, b.route_w, b.slot_offsets)
+        if self._on("route"):
+            ops.route[(1, b.T), BLOCK, st](
+                b.router, b.token, self.w32, self.off32(p + "exp_probs_b.bias") if has_bias else 0, has_bias,
+                self.i32, self.off(p + "ffn_gate_tid2eid.weight") // 4 if is_hash else 0, is_hash, s.n_used,
+                s.expert_weights_scale, self.expert_bases[il] if self.expert_bases[il] is not None
+                else self._zero_bases, b.expert_ids, b.route_w, b.slot_offsets)
 
     def _ffn_experts(self, b, il: int, prefill: bool = False):
         """Routed experts (decode: moe_decode on the device-side slot offsets; prefill: moe_prefill,
@@ -902,6 +926,9 @@ class CudaEngine:
 
     GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
               "shared", "head")
+    # single launches inside a group, timed apart by profile() too: subgroup -> its group
+    SUBGROUPS = {"hc_mix": "hc", "hc_pre": "hc", "hc_post": "hc", "q_norm": "attn_proj",
+                 "q_heads": "attn_proj", "combine": "attention", "route": "router"}
 
     def profile(self, token: int, reps: int = 20) -> dict:
         """Device ms per decode step with each group of launches left out in turn (METHOD.md:
@@ -947,7 +974,7 @@ class CudaEngine:
         other = self._capture(self._segments(), not self.pdl)   # the same step, the other kind of edges
         result["step_ms_pdl_off" if self.pdl else "step_ms_pdl_on"] = time_graph(other)
         other.close()
-        for group in self.GROUPS:
+        for group in self.GROUPS + tuple(self.SUBGROUPS):
             self.skip = {group}
             graph = self._capture(self._segments(), self.pdl)
             result[group] = result["step_ms"] - time_graph(graph)
