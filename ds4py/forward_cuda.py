@@ -144,7 +144,6 @@ class Scratch:
         self.next_token = d(1, i32)
         self.argmax_val, self.argmax_idx = d(ops.ARGMAX_BLOCKS, f32), d(ops.ARGMAX_BLOCKS, i32)
         self.forbid = cuda.to_device(np.full(1, -1, i32))
-        self.arrivals = cuda.to_device(np.zeros(1, i32))    # hc_mix_pre's finished-block count
         self.moe_work = qk.MoEWorkspace(s.n_used, s.n_embd, s.n_ff) if n_tok == 1 else None
         # prefill: a compressor lane's state rows + the chunk's rows (compressor_chunk_*), kv and
         # scores, per lane (the two lanes run on different streams)
@@ -162,8 +161,7 @@ class Scratch:
         s = self.spec
         v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, logits=self.logits, next_token=self.next_token,
                             argmax_val=self.argmax_val, argmax_idx=self.argmax_idx, forbid=self.forbid,
-                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext,
-                            arrivals=self.arrivals)
+                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext)
         for name, a in self.tok.items():
             setattr(v, name, a[:T])
         for name, (a, width) in self.flat.items():
@@ -208,7 +206,6 @@ class CudaEngine:
         self.use_graphs = not numba_config.ENABLE_CUDASIM
         self.pdl = pdl                  # captured graphs with programmatic kernel -> kernel edges
         self.fuse_hc_post = True        # decode: the HC post in its producers' epilogues (_hc_epilogue)
-        self.fuse_hc_pre = True         # decode: mixer partials, Sinkhorn and hc_pre in one launch
         self.stream = self.main_stream = cuda.stream()
         # Side streams for launches that do not depend on the main chain, forked from and joined
         # back into the main stream with events, so the captured step has parallel branches and the
@@ -364,18 +361,11 @@ class CudaEngine:
     def _hc_pre(self, b, prefix: str, sub: str, norm_name: str):
         """Sublayer input from the HC state and the mixer's partials (launched by the previous
         sublayer's _hc_post, or by _embed for the first); the post gates and comb matrix, which
-        only this sublayer's _hc_post reads, on the "hc" stream beside it. Decode: all of it, the
-        mixer included, in one launch (hc_mix_pre)."""
+        only this sublayer's _hc_post reads, on the "hc" stream beside it."""
         s, st = self.spec, self.stream
         scale_off = self.off32(f"{prefix}hc_{sub}_scale.weight")
         base_off = self.off32(f"{prefix}hc_{sub}_base.weight")
         if not self._on("hc_pre"):
-            return
-        if self._fused_pre(b):
-            ops.hc_mix_pre[(s.hc_mix + s.n_hc ** 2, b.part_dot.shape[2], 1), BLOCK, st](
-                b.state, self.w16, self.off16(f"{prefix}hc_{sub}_fn.weight"), b.hc_chunk, b.part_dot, b.part_sq,
-                b.part_gram, b.arrivals, self.w32, scale_off, base_off, self.off32(norm_name), s.n_sinkhorn,
-                s.hc_eps, s.rms_eps, b.x, b.xq, b.xd, b.post, b.comb)
             return
         with self._branch("hc"):
             ops.hc_sinkhorn[(1, b.T), BLOCK, self.stream](
@@ -385,11 +375,6 @@ class CudaEngine:
         ops.hc_pre[(x_blocks, b.T), BLOCK, st](
             b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32, scale_off, base_off,
             self.off32(norm_name), s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
-
-    def _fused_pre(self, b) -> bool:
-        """Decode runs a sublayer's mixer with its HC pre (hc_mix_pre, launched by _hc_pre); prefill
-        chunks and the head keep the mixer apart (_hc_mix)."""
-        return b.T == 1 and self.fuse_hc_pre and self._on("hc_mix")
 
     def _embed(self, b):
         """Token embeddings into every HC stream, then the first sublayer's mixer partials."""
@@ -404,7 +389,7 @@ class CudaEngine:
         before the head) over the current state, with the streams' Gram partials hc_pre needs."""
         s = self.spec
         n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
-        if not self._on("hc_mix") or (gram_rows and self._fused_pre(b)):
+        if not self._on("hc_mix"):
             return
         if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
             assert b.hc_chunk <= ops.HC_MIX_VALS * BLOCK, "hc_mix_tokens caches HC_MIX_VALS values per thread"

@@ -284,13 +284,6 @@ def hc_chunk(n_embd: int) -> int:
 
 @cuda.jit(cache=True)
 def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
-    """The mixer partials (mix_partial_block) of one sublayer or of the head."""
-    pdl_enter()
-    mix_partial_block(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram)
-
-
-@cuda.jit(device=True)
-def mix_partial_block(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
     """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
     never straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks
     also write the chunk's Σx² (in double) for the RMS scale. state [T, n_hc, n_embd], part_dot
@@ -300,6 +293,7 @@ def mix_partial_block(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gra
     streams, G[h][h'] = Σ_d X_h[d]·X_h'[d], in double, as partials over n_chunks equal d-ranges
     (part_gram [T, n_hc², chunks]): with it hc_pre knows Σy² of y = Σ a_h X_h (= Σ a_h a_h' G)
     before it has y, so its collapse needs no block-wide reduction and spreads over many blocks."""
+    pdl_enter()
     row = cuda.blockIdx.x
     chunk = cuda.blockIdx.y
     t = cuda.blockIdx.z
@@ -744,7 +738,7 @@ def hc_sinkhorn(part_dot, part_sq, n, w32, scale_off, base_off, n_iter, hc_eps, 
 @cuda.jit(device=True)
 def pre_gates_scale(mix, gram, w32, scale_off, base_off, n_hc, n_embd, hc_eps, rms_eps, gates):
     """The pre gates a_h (into the caller's local `gates`) and the RMS scale of y = Σ a_h X_h from
-    the Gram matrix: Σy² = Σ a_h a_h' G[h][h'] (hc_pre and hc_mix_pre: the same bits)."""
+    the Gram matrix: Σy² = Σ a_h a_h' G[h][h']."""
     for h in range(HC_MAX):
         gates[h] = pre_gate(mix, w32, scale_off, base_off, h, hc_eps) if h < n_hc else float32(0.0)
     sumsq = float64(0.0)
@@ -807,81 +801,6 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
         block = i // 32
         if tid % 32 == 0 and inside:
             quantize_q8_0_serial(x_out[t], block, xq[t], xd[t])
-
-
-HC_PRE_BATCH = 4         # dims per thread whose loads hc_mix_pre's last block issues together
-HC_PRE_VALS = HC_PRE_BATCH * HC_MAX
-
-
-@cuda.jit(device=True)
-def last_arrival(counter, n_blocks):
-    """True in the block that finishes last of n_blocks (all its threads): each block makes its
-    writes visible device-wide, then counts itself in counter[0]; the last one resets the counter
-    (the next graph replay starts from 0) and may read everything the others wrote."""
-    flag = cuda.shared.array(1, int32)
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        ticket = cuda.atomic.add(counter, 0, 1)
-        flag[0] = 1 if ticket == n_blocks - 1 else 0
-        if ticket == n_blocks - 1:
-            counter[0] = 0
-    cuda.syncthreads()
-    last = flag[0] != 0
-    if last:
-        cuda.threadfence()
-    return last
-
-
-# hc_mix_pre's 640 mixer blocks (flash) fit one wave only at <= 48 registers (5 blocks of 256 per SM);
-# uncapped, the last block's Sinkhorn and collapse took it to 116 (2 per SM)
-HC_MIX_PRE_JIT = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 48}
-
-
-@cuda.jit(cache=True, **HC_MIX_PRE_JIT)
-def hc_mix_pre(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, arrivals, w32, scale_off,
-               base_off, norm_off, n_iter, hc_eps, rms_eps, x_out, xq, xd, post_out, comb_out):
-    """Decode (one token): a sublayer's whole HC pre in one launch. The blocks of hc_mix_partial
-    (grid (mixer rows + n_hc², chunks)) write the mixer partials; the last to finish (last_arrival)
-    then does what hc_sinkhorn and hc_pre do with them: the post gates and comb matrix (warp 0,
-    beside the others), and x = RMSNorm(Σ a_h X_h)·w quantized to Q8_0, HC_PRE_BATCH dims per
-    thread at a time with their loads issued together. The same device functions as those two
-    kernels, so the same bits as the prefill path; one launch (and its ramp) fewer per HC site,
-    and no side stream for the Sinkhorn."""
-    pdl_enter()
-    mix_partial_block(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram)
-    if not last_arrival(arrivals, cuda.gridDim.x * cuda.gridDim.y):
-        return
-    tid = cuda.threadIdx.x
-    nthr = cuda.blockDim.x
-    _, n_hc, n_embd = state.shape
-    mix = cuda.shared.array(64, float32)
-    gram = cuda.shared.array(HC_GRAM, float64)
-    hc_mix_values(part_dot[0], part_sq[0], n_hc * n_embd, rms_eps, mix)
-    gram_values(part_gram[0], gram)
-    sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, hc_eps, post_out[0], comb_out[0])
-    gates = cuda.local.array(HC_MAX, float32)
-    scale = pre_gates_scale(mix, gram, w32, scale_off, base_off, n_hc, n_embd, hc_eps, rms_eps, gates)
-    values = cuda.local.array(HC_PRE_VALS, float32)
-    norm_w = cuda.local.array(HC_PRE_BATCH, float32)
-    for i0 in range(0, n_embd, HC_PRE_BATCH * nthr):
-        for k in range(HC_PRE_BATCH):
-            i = i0 + k * nthr + tid
-            if i < n_embd:
-                for h in range(HC_MAX):
-                    if h < n_hc:
-                        values[k * HC_MAX + h] = state[0, h, i]
-                norm_w[k] = w32[norm_off + i]
-        for k in range(HC_PRE_BATCH):
-            i = i0 + k * nthr + tid
-            if i < n_embd:                      # warp-uniform: n_embd % 32 == 0
-                x = pre_value(gates, values, k * HC_MAX, n_hc, scale, norm_w[k])
-                x_out[0, i] = x
-                if USE_SHUFFLES:
-                    quantize_q8_0_lane(x, i // 32, tid % 32, xq[0], xd[0])
-    if not USE_SHUFFLES:
-        cuda.syncthreads()
-        quantize_q8_0_block_values(x_out[0], xq[0], xd[0])
 
 
 @wide_jit

@@ -25,8 +25,6 @@ sigs = {
  "hc_mix_tokens": (f32a3, f16a, i64, i64, b1, f32A3, f64a2, types.float64[:, :, ::1]),
  "hc_sinkhorn": (f32A3, f64a2, i64, f32a, i64, i64, i64, f64, f64, f32a2, f32a2),
  "hc_pre": (f32a3, f32A3, f64a2, types.float64[:, :, ::1], f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
- "hc_mix_pre": (f32a3, f16a, i64, i64, f32a3, f64a2, types.float64[:, :, ::1], i32a, f32a, i64, i64, i64, i64,
-                f64, f64, f32a2, i8a2, f32a2, f32a2, f32a2),
  "hc_post": (f32a3, f32a2, f32a2, f32a2, f32a2),
  "hc_head": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
  "rmsnorm_q8": (f32A2, f32a, i64, f64, f32a2, i8a2, f32a2),

@@ -73,22 +73,6 @@ def check_hc(n_tok):
                                     20, 1e-6, 1e-6, post, comb)
     ops.hc_pre[(x_blocks, n_tok), 64](d_state, part_dot, part_sq, part_gram, d_arena.view(np.float32), off32,
                                       off32 + 3, off32 + 3 + mix_rows, 1e-6, 1e-6, x, xq, xd)
-    if n_tok == 1:       # decode: the mixer, the Sinkhorn and hc_pre in one launch, the same bits
-        arrivals = cuda.to_device(np.zeros(1, np.int32))
-        for rep in range(2):      # twice: the last block must leave the arrival count at 0
-            fused = [cuda.to_device(np.zeros(a.shape, a.dtype)) for a in (x, xq, xd, post, comb)]
-            parts = [cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram)]
-            ops.hc_mix_pre[(mix_rows + n_hc * n_hc, n_chunks, 1), 64](
-                d_state, d_arena.view(np.float16), 0, chunk, *parts, arrivals, d_arena.view(np.float32), off32,
-                off32 + 3, off32 + 3 + mix_rows, 20, 1e-6, 1e-6, *fused)
-            for name, got, want in zip(("x", "xq", "xd", "post", "comb"), fused, (x, xq, xd, post, comb)):
-                same = np.array_equal(got.copy_to_host(), want.copy_to_host())
-                print(("ok " if same else "BAD") + f" hc_mix_pre {name} (run {rep}): bitwise equal to "
-                      f"hc_mix_partial + hc_sinkhorn + hc_pre: {same}")
-                if not same:
-                    raise SystemExit(f"hc_mix_pre {name} differs")
-            if arrivals.copy_to_host()[0] != 0:
-                raise SystemExit(f"hc_mix_pre left the arrival count at {arrivals.copy_to_host()[0]}")
     f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     post_h, comb_h = post.copy_to_host(), comb.copy_to_host()

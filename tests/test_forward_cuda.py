@@ -131,18 +131,6 @@ def test_hc_post_epilogues_change_no_bit(model):
             f"pos {pos}: max |Δ| {np.max(np.abs(fused[pos] - plain[pos])):.3g}"
 
 
-def test_fused_hc_pre_changes_no_bit(model):
-    """The decode step with each sublayer's mixer, Sinkhorn and hc_pre in one launch (hc_mix_pre,
-    its last block finishing) gives the logits of the three separate launches, bit for bit, at
-    every position (a stale or unfinished partial read by the last block shows here)."""
-    tokens = _tokens(8, seed=19)
-    fused = _decode_configured(model, tokens, lambda engine: None)
-    plain = _decode_configured(model, tokens, lambda engine: setattr(engine, "fuse_hc_pre", False))
-    for pos in range(len(tokens)):
-        assert np.array_equal(fused[pos], plain[pos]), \
-            f"pos {pos}: max |Δ| {np.max(np.abs(fused[pos] - plain[pos])):.3g}"
-
-
 def test_side_streams_change_no_bit(model):
     """The decode step's side branches ("side", "aux", "hc", ...: launches forked from the main
     stream and joined back with events) give the logits of the same launches all on the main
