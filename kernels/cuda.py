@@ -1196,8 +1196,8 @@ _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once pe
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _R_DOWN = 1          # (row, slot) units per warp in the down decode kernel (1: 23.1 us, 2: 29.0, 3: 24.5 on the H200)
-_NW_DOWN = 8         # warps per down decode block; 0: one per slot (with 6 slots and R = 1, 2 of
-                     # the 8 warps of a one-row block idle; not measured yet, kbench tune_moe has it)
+_NW_DOWN = 0         # warps per down decode block; 0: one per slot (6 warps for a one-row block; 8
+                     # left 2 idle: kbench tune_moe on the H200, 22.94 -> 19.97 us, session 10)
 
 
 @_inline
