@@ -32,7 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
-from .cuda_ops import HC_STAGE, HC_STAGE_DIMS, hc_post_stage, hc_post_staged
+from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -292,12 +292,10 @@ def _dense_split(rows, chunks):
 
 
 def _make_finish(S, T):
-    """Write the row results: directly (S == 1) or after adding the S warp partials in order.
-    Returns token 0's result in the thread that wrote it (w == 0, lane 0; the HC epilogue)."""
+    """Write the row results: directly (S == 1) or after adding the S warp partials in order."""
 
     @_inline
     def finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld):
-        first = acc[0]
         if S == 1:
             if lane == 0 and row < rows:
                 for tt in range(T):
@@ -315,9 +313,6 @@ def _make_finish(S, T):
                         for k in range(1, S):
                             s += part[warp + k, tt]
                         out[(tok0 + tt) * out_ld + row] = s
-                        if tt == 0:
-                            first = s
-        return first
 
     return finish
 
@@ -385,9 +380,6 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
                   x_group_rows, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
-        staged = cuda.shared.array(HC_STAGE, float32)
-        if hc_on:                           # the HC post's inputs, loaded while the rows run
-            hc_post_stage(hc_state, cuda.blockIdx.x * RPB, RPB, hc_fb, hc_post, hc_comb, staged)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         g = lane >> 2
@@ -414,11 +406,9 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
             v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
             acc[tt] = v
-        result = finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
-        if hc_on:                                              # block-uniform
-            cuda.syncthreads()
-            if w == 0 and lane == 0 and row < rows:            # one token: the HC post of dim `row`
-                hc_post_staged(hc_state, row, warp // S, result, staged)
+        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+        if hc_on and w == 0 and lane == 0 and row < rows:     # one token: the HC post of dim `row`
+            hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
 
     return q8_0_rows
 
@@ -1282,20 +1272,17 @@ def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         part = cuda.shared.array(UPB, float32)
-        staged = cuda.shared.array(HC_STAGE, float32)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         k4 = nsb * 64
         pad = k4 + k4 // 8
-        r0 = cuda.blockIdx.x * rpb
-        if hc_on:                          # the HC post's inputs, loaded while the rows run
-            hc_post_stage(hc_state, r0, rpb, hc_fb, hc_post, hc_comb, staged)
         if stage:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for k in range(n_used):
                 _stage_row(xs, k * pad, mq32, k * k4, k4)
             cuda.syncthreads()
+        r0 = cuda.blockIdx.x * rpb
         n_units = min(rpb, n_embd - r0) * n_used
         u0 = warp * R
         if u0 < n_units:                                   # warp-uniform
@@ -1324,7 +1311,7 @@ def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
                 acc = acc + part[t * n_used + k]
             out[r0 + t] = acc
             if hc_on:                        # the HC post of this dim (f_b: the shared expert)
-                hc_post_staged(hc_state, r0 + t, t, acc, staged)
+                hc_post_dim(hc_state, r0 + t, acc + hc_fb[r0 + t], hc_post, hc_comb)
 
     return moe_down_decode
 
@@ -1763,8 +1750,6 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
                      lambda: _moe_down_decode_kernel(down_type, NCH, R, NW))
     grid_g, ks_g = _iq2_tables()
     rpb = (NW * R) // n_used
-    if hc is not None and rpb > HC_STAGE_DIMS:
-        raise ValueError(f"moe_down: the HC epilogue stages at most {HC_STAGE_DIMS} dims per block")
     kernel[(n_embd + rpb - 1) // rpb, NW * WARP, _stream(stream),
            _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),

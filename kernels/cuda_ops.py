@@ -477,57 +477,6 @@ def hc_post_dim(state, d, f, post, comb):
             state[j, d] = acc
 
 
-HC_STAGE_DIMS = 8        # most output dims per block an epilogue stages the HC post of
-HC_STAGE = HC_MAX + HC_GRAM + HC_STAGE_DIMS * (HC_MAX + 1)     # floats: post, comb, then per dim
-
-
-@cuda.jit(device=True)
-def hc_post_stage(state, d0, n_dims, f_b, post, comb, staged):
-    """What the HC post of dims d0 .. d0 + n_dims - 1 reads, into shared `staged` (HC_STAGE
-    floats), one value per thread, at the start of a decode kernel whose epilogue runs the post
-    (hc_post_staged): the post gates, the comb matrix, then per dim its n_hc old stream values and
-    f_b. Issued early, the loads overlap the kernel's main work instead of adding an L2 round trip
-    to the end of every block (the MoE down kernel runs ~8 waves of one-row blocks). The caller
-    synchronises the block before the epilogue reads them."""
-    tid = cuda.threadIdx.x
-    n_hc, n_embd = state.shape
-    if tid < HC_STAGE:
-        value = float32(0.0)
-        if tid < HC_MAX:
-            if tid < n_hc:
-                value = post[tid]
-        elif tid < HC_MAX + HC_GRAM:
-            if tid - HC_MAX < n_hc * n_hc:
-                value = comb[tid - HC_MAX]
-        else:
-            k = uint32(tid - HC_MAX - HC_GRAM)
-            dim = k // uint32(HC_MAX + 1)
-            h = k - dim * uint32(HC_MAX + 1)
-            d = d0 + dim
-            if dim < n_dims and d < n_embd:
-                if h == HC_MAX:
-                    value = f_b[d]
-                elif h < n_hc:
-                    value = state[h, d]
-        staged[tid] = value
-
-
-@cuda.jit(device=True)
-def hc_post_staged(state, d, dim, f_a, staged):
-    """hc_post_dim of dim d (the dim-th that hc_post_stage staged) with f = f_a + f_b[d]: the same
-    products and sums, each rounded on its own, so the same bits."""
-    n_hc = state.shape[0]
-    base = HC_MAX + HC_GRAM + dim * (HC_MAX + 1)
-    f = f_a + staged[base + HC_MAX]
-    for j in range(HC_MAX):
-        if j < n_hc:
-            acc = mul_rn(staged[j], f)
-            for i in range(HC_MAX):
-                if i < n_hc:
-                    acc = add_rn(acc, mul_rn(staged[HC_MAX + i * n_hc + j], staged[base + i]))
-            state[j, d] = acc
-
-
 @cuda.jit(device=True)
 def sum_chunk_rows(part, vals, scale, out):
     """out[row] = (Σ_chunk part[row, chunk]) · scale for every row (GPU path; all threads call): a
