@@ -9,6 +9,8 @@ addresses.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 # driver API constants (cuda.h); plain ints so no enum lookups differ between binding versions
@@ -198,19 +200,58 @@ def read_only_register_supported() -> bool:
     return bool(call("cuDeviceGetAttribute", attr, dev))
 
 
-def register_host(addr: int, nbytes: int, read_only: bool = True) -> int:
-    """Page-lock [addr, addr + nbytes) and map it for the device; returns the device pointer."""
-    ensure_context()
-    flags = CU_MEMHOSTREGISTER_DEVICEMAP | (CU_MEMHOSTREGISTER_READ_ONLY if read_only else 0)
-    call("cuMemHostRegister", addr, nbytes, flags)
+# Host registrations are shared within the process: the driver refuses to register a range that
+# overlaps one already registered (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED), and two sources over
+# one model (or a source and the windowed loader) page-lock the same file mapping. A request inside
+# a range this process holds counts as one more user of it; the last user's release unregisters it.
+class _Registration:
+    __slots__ = ("start", "nbytes", "users")
+
+    def __init__(self, start: int, nbytes: int):
+        self.start, self.nbytes, self.users = start, nbytes, 0
+
+
+_registrations: list[_Registration] = []
+_handed_out: dict[int, list[_Registration]] = {}     # address passed to register -> its registrations
+_registration_lock = threading.Lock()
+
+
+def _acquire_host(addr: int, nbytes: int) -> None:
+    with _registration_lock:
+        reg = next((r for r in _registrations if r.start <= addr and addr + nbytes <= r.start + r.nbytes), None)
+        if reg is None:
+            ensure_context()
+            call("cuMemHostRegister", addr, nbytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY)
+            reg = _Registration(addr, nbytes)
+            _registrations.append(reg)
+        reg.users += 1
+        _handed_out.setdefault(addr, []).append(reg)
+
+
+def register_host(addr: int, nbytes: int) -> int:
+    """Page-lock [addr, addr + nbytes) read-only and map it for the device (or share a registration
+    that covers it); returns the device pointer."""
+    _acquire_host(addr, nbytes)
     return int(call("cuMemHostGetDevicePointer", addr, 0))
 
 
 def pin_host(addr: int, nbytes: int) -> None:
     """Page-lock [addr, addr + nbytes) for DMA (read-only: the file mapping is PROT_READ)."""
-    ensure_context()
-    call("cuMemHostRegister", addr, nbytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_READ_ONLY)
+    _acquire_host(addr, nbytes)
 
 
 def unregister_host(addr: int) -> None:
-    call("cuMemHostUnregister", addr)
+    """Release a register_host / pin_host of addr; the range is unlocked when its last user goes."""
+    with _registration_lock:
+        held = _handed_out.get(addr)
+        if not held:
+            call("cuMemHostUnregister", addr)          # not registered here: the driver says why
+            return
+        reg = held.pop()
+        if not held:
+            del _handed_out[addr]
+        reg.users -= 1
+        if reg.users:
+            return
+        _registrations.remove(reg)
+        call("cuMemHostUnregister", reg.start)

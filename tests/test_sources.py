@@ -397,6 +397,38 @@ def test_io_imports_without_cuda():
     assert out.stdout.split() == ["none", "0"]
 
 
+def test_host_registrations_are_shared(monkeypatch):
+    """io.gpu page-locks a host range once per process: a second register or pin inside a range it
+    holds adds a user instead of a driver call (which would fail ALREADY_REGISTERED), and the
+    driver's unregister comes with the last user's release, whatever the order."""
+    from ds4py.io import gpu
+    driver_calls = []
+
+    def fake_call(name, *args):
+        driver_calls.append((name, args[0]))
+        return args[0] if name == "cuMemHostGetDevicePointer" else None
+    monkeypatch.setattr(gpu, "call", fake_call)
+    monkeypatch.setattr(gpu, "ensure_context", lambda: None)
+    monkeypatch.setattr(gpu, "_registrations", [])
+    monkeypatch.setattr(gpu, "_handed_out", {})
+    base, size = 1 << 20, 1 << 16
+    registers = lambda: [c for c in driver_calls if c[0] == "cuMemHostRegister"]      # noqa: E731
+    unregisters = lambda: [c for c in driver_calls if c[0] == "cuMemHostUnregister"]  # noqa: E731
+    assert gpu.register_host(base, size) == base               # the first source: the driver registers
+    assert gpu.register_host(base, size) == base               # a second source over the same mapping
+    gpu.pin_host(base + 4096, 8192)                             # a window inside it (the DMA loader)
+    assert registers() == [("cuMemHostRegister", base)]
+    gpu.pin_host(base + size, 4096)                             # a range outside: its own registration
+    assert len(registers()) == 2
+    for addr in (base, base + 4096, base + size):
+        gpu.unregister_host(addr)
+    assert unregisters() == [("cuMemHostUnregister", base + size)]   # the mapping still has a user
+    gpu.unregister_host(base)
+    assert unregisters()[-1] == ("cuMemHostUnregister", base) and not gpu._registrations
+    gpu.unregister_host(base + 3 * size)                        # never registered: the driver answers
+    assert unregisters()[-1] == ("cuMemHostUnregister", base + 3 * size)
+
+
 # ---- the GPU sources' logic, on a numpy stand-in for the device -----------------------------------------
 
 from fake_gpu import FakeGpu  # noqa: E402

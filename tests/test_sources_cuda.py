@@ -172,6 +172,23 @@ def test_page_cache_source_expert_cache_on_the_device(tiny):
         src.close()
 
 
+def test_two_page_cache_sources_share_the_registration(tiny):
+    """Two page-cache sources over one model both get the registered mapping (not the staged
+    fallback: the driver refuses a second registration of the same range), and closing the first
+    leaves the second working."""
+    lines = []
+    first = sources.PageCacheSource(tiny, expert_slots=2 * tiny.spec.n_used, **quiet(log=lines.append))
+    second = sources.PageCacheSource(tiny, expert_slots=2 * tiny.spec.n_used, **quiet(log=lines.append))
+    try:
+        assert not any("could not page-lock" in line for line in lines), lines
+        assert first._host_base is not None and second._host_base == first._host_base
+        first.close()
+        check_experts(second, tiny, 0, list(range(tiny.spec.n_used)), cuda.stream())
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_stream_source_on_the_device(tiny, direct):
     n_used = tiny.spec.n_used
