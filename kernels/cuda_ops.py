@@ -684,33 +684,6 @@ def hc_sinkhorn(part_dot, part_sq, n, w32, scale_off, base_off, n_iter, hc_eps, 
     sinkhorn_comb(mix, w32, scale_off, base_off, post_out.shape[1], n_iter, hc_eps, post_out[t], comb_out[t])
 
 
-@cuda.jit(device=True)
-def pre_gates_scale(mix, gram, w32, scale_off, base_off, n_hc, n_embd, hc_eps, rms_eps, gates):
-    """The pre gates a_h (into the caller's local `gates`) and the RMS scale of y = Σ a_h X_h from
-    the Gram matrix: Σy² = Σ a_h a_h' G[h][h']."""
-    for h in range(HC_MAX):
-        gates[h] = pre_gate(mix, w32, scale_off, base_off, h, hc_eps) if h < n_hc else float32(0.0)
-    sumsq = float64(0.0)
-    for h in range(HC_MAX):
-        if h < n_hc:
-            row = float64(0.0)
-            for h2 in range(HC_MAX):
-                if h2 < n_hc:
-                    row += float64(gates[h2]) * gram[h * n_hc + h2]
-            sumsq += float64(gates[h]) * row
-    return rms_scale(sumsq, n_embd, rms_eps)
-
-
-@cuda.jit(device=True)
-def pre_value(gates, values, base, n_hc, scale, norm_w):
-    """One dim of the sublayer input: (Σ_h a_h·X_h)·scale·w, X_h = values[base + h]."""
-    y = float32(0.0)
-    for h in range(HC_MAX):
-        if h < n_hc:
-            y += gates[h] * values[base + h]
-    return y * scale * norm_w
-
-
 @cuda.jit(cache=True)
 def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_off, hc_eps, rms_eps,
            x_out, xq, xd):
@@ -738,8 +711,22 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
     hc_mix_values(part_dot[t, :n_hc], part_sq[t], n_hc * n_embd, rms_eps, mix)   # the pre rows only
     gram_values(part_gram[t], gram)
     gates = cuda.local.array(HC_MAX, float32)
-    scale = pre_gates_scale(mix, gram, w32, scale_off, base_off, n_hc, n_embd, hc_eps, rms_eps, gates)
-    x = pre_value(gates, values, 0, n_hc, scale, norm_w)
+    for h in range(HC_MAX):
+        gates[h] = pre_gate(mix, w32, scale_off, base_off, h, hc_eps) if h < n_hc else float32(0.0)
+    sumsq = float64(0.0)
+    for h in range(HC_MAX):
+        if h < n_hc:
+            row = float64(0.0)
+            for h2 in range(HC_MAX):
+                if h2 < n_hc:
+                    row += float64(gates[h2]) * gram[h * n_hc + h2]
+            sumsq += float64(gates[h]) * row
+    scale = rms_scale(sumsq, n_embd, rms_eps)
+    y = float32(0.0)
+    for h in range(HC_MAX):
+        if h < n_hc:
+            y += gates[h] * values[h]
+    x = y * scale * norm_w
     if inside:
         x_out[t, i] = x
     if USE_SHUFFLES:
