@@ -481,32 +481,49 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
 
 
 def bench_tune_moe(timer, copy_bw, rng, log, moe):
-    """The routed-expert decode kernels under other launch parameters: gate/up rows per block,
-    warps per block and register cap (occupancy), down units per warp. Same numbers in each
-    (every (row, slot) unit is one warp's work), only the time changes."""
+    """The routed-expert decode kernels under other launch parameters and code variants: gate/up
+    rows per block, warps per block, register cap, next-unit prefetch (PF), the IQ2_XXS sign
+    arithmetic (split: dot(g, x) - 2 dot(g & m, x)); down warps per block and register cap.
+    Every variant must give the same bits (checked: mid and out of one step against the first
+    variant); only the time may change."""
     from . import cuda as CK
+    cuda = _cuda()
     res = []
-    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_R_DOWN", "_NW_DOWN")
+    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_PF_GATE_UP", "_IQ2_SPLIT_SIGNS",
+             "_NW_DOWN", "_REGS_DOWN")
     saved = tuple(getattr(CK, n) for n in names)
-    # (the gate/up decode kernel holds x in 32 registers and uses 125: 2 blocks of 8 warps per SM;
-    # a cap of 80 gives 3 blocks, 64 gives 4, at the price of spills: ptxas -maxrregcount 80 spills
-    # 140 bytes, 96 spills too and still fits only 2 blocks)
-    # down: _NW_DOWN 0 = one warp per slot (6 warps, a row per block, none idle)
-    variants = [(8, 8, 0, 1, 8), (4, 8, 0, 1, 8), (2, 8, 0, 1, 8), (8, 4, 0, 1, 8), (8, 8, 80, 1, 8),
-                (8, 8, 64, 1, 8), (4, 4, 80, 1, 8), (8, 16, 0, 1, 8), (8, 8, 0, 2, 8), (8, 8, 0, 3, 8),
-                (8, 8, 0, 1, 0), (8, 8, 0, 2, 0)]
+    # (the gate/up kernel keeps x in 32 registers: 125-142 registers, 2 blocks of 8 warps per SM
+    # at a cap of 128; down: one warp per output row, 64 registers = 32 warps per SM)
+    variants = [(8, 8, 0, False, False, 4, 64), (8, 8, 0, False, True, 4, 64),
+                (8, 8, 128, True, False, 4, 64), (8, 8, 128, True, True, 4, 64),
+                (16, 8, 128, True, True, 4, 64), (4, 4, 128, True, True, 4, 64),
+                (8, 8, 128, True, True, 2, 64), (8, 8, 128, True, True, 8, 64),
+                (8, 8, 128, True, True, 4, 0), (8, 8, 128, True, True, 8, 0)]
+    first = None
     try:
         for v in variants:
             for n, value in zip(names, v):
                 setattr(CK, n, value)
+            CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
+            CK._ROWDOTS.clear()
+            step = _MoEStep(moe, np.random.default_rng(1))
+            step.full(0)
+            cuda.synchronize()
+            bits = (step.ws.mid.copy_to_host(), step.out.copy_to_host())
+            first = first or bits
+            same = all(np.array_equal(a, b) for a, b in zip(bits, first))
             for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
                 r["variant"] = dict(zip(names, v))
+                r["same_bits"] = same
                 res.append(r)
-                log(f"  [gate/up rows {v[0]} warps {v[1]} regs {v[2] or '-'}; down R {v[3]} warps {v[4] or 'n_used'}] "
-                    f"{r['name'][:34]:34s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} pf {int(v[3])} split {int(v[4])}; "
+                    f"down warps {v[5]} regs {v[6] or '-'}] {r['name'][:30]:30s} {r['us']:8.2f} us "
+                    f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} % {'same bits' if same else 'BITS DIFFER'}")
     finally:
         for n, value in zip(names, saved):
             setattr(CK, n, value)
+        CK._KERNELS.clear()
+        CK._ROWDOTS.clear()
     return res
 
 

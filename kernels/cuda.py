@@ -31,7 +31,8 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import SIMULATOR, bfe, dp4a, f16_bits_to_f32, imad, mma_s8, negate_bytes, pdl_enter
+from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, imad, mma_s8,
+                              negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -792,23 +793,40 @@ def _make_load_iq2_xxs():
     return load, NWORDS
 
 
+_IQ2_SPLIT_SIGNS = True   # signed dot as dot(g, x) - 2 dot(g & m, x), parity by popc (no table)
+
+
 def _make_compute_iq2_xxs(T, x_regs=False):
     """Lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte words and
     dots them with each token's 32 activation bytes (padded shared-memory layout; with x_regs,
-    one token whose words for step u are the lane's registers xsrc[xu = 8u ..])."""
+    one token whose words for step u are the lane's registers xsrc[xu = 8u ..]).
+
+    With _IQ2_SPLIT_SIGNS the signs are not applied to the weights: the grid bytes g (< 0x80)
+    are dotted as they are and the bytes of the negative weights (g & m, m a byte mask) a second
+    time, sum s_i g_i x_i = dot(g, x) - 2 dot(g & m, x): the same integer, 2 instructions per word
+    fewer, and the 8th sign bit from a popc instead of a shared-memory table."""
+    split = _IQ2_SPLIT_SIGNS
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
                 acc, ao, xu):
         wv = cuda.local.array(8, uint32)
+        mv = cuda.local.array(8, uint32)
         dbits = raw[o]
         aux0 = raw[o + 1]
         aux1 = raw[o + 2]
         for l in range(4):
             gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
-            s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
-            wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
-            wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
+            if split:
+                s8 = even_signs(bfe(aux1, 7 * l, 7))
+                wv[2 * l] = uint32(gv & uint64(0xFFFFFFFF))
+                wv[2 * l + 1] = uint32(gv >> uint64(32))
+                mv[2 * l] = byte_mask(s8 & 15)
+                mv[2 * l + 1] = byte_mask(s8 >> 4)
+            else:
+                s8 = int32(ks_s[_ix(bfe(aux1, 7 * l, 7))])       # 8 sign bits (parity added)
+                wv[2 * l] = negate_bytes(uint32(gv & uint64(0xFFFFFFFF)), s8 & 15)
+                wv[2 * l + 1] = negate_bytes(uint32(gv >> uint64(32)), s8 >> 4)
         ls = imad(bfe(aux1, 28, 4), 2, 1)                   # 2*s + 1
         dw = f16_bits_to_f32(dbits)
         xw = 9 * (8 * sb + j)
@@ -816,13 +834,20 @@ def _make_compute_iq2_xxs(T, x_regs=False):
             if T == 1 or tt < cnt:
                 sumi = int32(0)
                 if valid:
+                    neg = int32(0)
                     if x_regs:
                         for i in range(8):
                             sumi = dp4a(wv[i], xsrc[xu + i], sumi)
+                            if split:
+                                neg = dp4a(wv[i] & mv[i], xsrc[xu + i], neg)
                     else:
                         xb = xbase[to + tt] + xw
                         for i in range(8):
                             sumi = dp4a(wv[i], xsrc[_ix(xb + i)], sumi)
+                            if split:
+                                neg = dp4a(wv[i] & mv[i], xsrc[_ix(xb + i)], neg)
+                    if split:
+                        sumi = imad(neg, -2, sumi)
                 bsum = _sum_lanes_of_8_i32(imad(sumi, ls, 0))
                 if valid:
                     acc[ao + tt] = cuda.fma(dw * xd[_ix(toks[to + tt] * nsb + sb)], float32(bsum),
@@ -1003,6 +1028,35 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
     return rowdots
 
 
+def _make_chunk_parts(wtype, NCH, x_regs=False):
+    """One load chunk (up to NCH steps) of one row's dot with one token, split in its two phases
+    so that a warp can load its next chunk while it computes this one: load_chunk(..., c0, raw)
+    fills raw, dot_chunk(raw, ..., c0, acc) adds the chunk's terms to acc[0]; after the row's last
+    chunk, _FINAL_SCALE * _sum_groups_of_8_f32(acc[0]) is its result. Same arithmetic, in the same
+    order, as rowdots with R = T = 1."""
+    load, NWORDS = _LOADERS[wtype]()
+    compute = _make_compute_iq2_xxs(1, True) if x_regs else _COMPUTERS[wtype](1)
+
+    @_inline
+    def load_chunk(a16, a32, roff, nsb, c0, raw):
+        q = cuda.laneid >> 3
+        j = cuda.laneid & 7
+        for u in range(NCH):
+            sb = (c0 + u) * 4 + q
+            load(a16, a32, roff, sb, j, sb < nsb, raw, u * NWORDS)
+
+    @_inline
+    def dot_chunk(raw, nsb, c0, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc):
+        q = cuda.laneid >> 3
+        j = cuda.laneid & 7
+        for u in range(NCH):
+            sb = (c0 + u) * 4 + q
+            compute(raw, u * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, 0, 1,
+                    grid_s, ks_s, acc, 0, 8 * u)
+
+    return load_chunk, dot_chunk, NCH * NWORDS
+
+
 _ROWDOTS = {}
 
 
@@ -1174,9 +1228,9 @@ def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
 #                takes one (row, slot) unit at a time, gate and up rows loaded together:
 #                mid[k, r] = silu(min(g, c)) * clip(u, -c, c) * w_k
 #   quantize_q8_k(mid)  (n_used*n_ff values)  -> mq
-#   moe_down:    a block owns a few output rows and all their slots; each warp computes R
-#                (row, slot) dots at once, then the slot results of a row are added in slot
-#                order (0 + r_0 + r_1 + ...): one write per output, no atomics.
+#   moe_down:    a warp owns one output row and walks its slots in order, the next slot's
+#                weights in flight while the current one is computed, adding the slot results
+#                in slot order (0 + r_0 + r_1 + ...): one write per output, no atomics.
 # Prefill runs the same row dots on tiles of up to T (token, slot) pairs that share an expert,
 # writes each pair's down result, and adds them per token in slot order (moe_sum): every token
 # equals its decode result bit for bit.
@@ -1185,9 +1239,10 @@ _NW_MOE = 8          # warps per block
 _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
-_R_DOWN = 1          # (row, slot) units per warp in the down decode kernel (1: 23.1 us, 2: 29.0, 3: 24.5 on the H200)
-_NW_DOWN = 0         # warps per down decode block; 0: one per slot (6 warps for a one-row block; 8
-                     # left 2 idle: kbench tune_moe on the H200, 22.94 -> 19.97 us, session 10)
+_PF_GATE_UP = True   # the next unit's weights in flight while the current one is computed
+_NW_DOWN = 4         # warps (output rows) per down decode block
+_REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
+                     # one wave on 132 SMs (uncapped it takes 69: 28 warps per SM, 1.1 waves)
 
 
 @_inline
@@ -1260,58 +1315,170 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
     return moe_gate_up_decode
 
 
-def _moe_down_decode_kernel(wtype, NCH, R, NW=_NW_MOE):
-    rowdots = _rowdots(wtype, 1, R, NCH)
-    stage = _stages_x(wtype)
-    UPB = NW * R                       # (row, slot) units per block
+def _moe_gate_up_decode_pf_kernel(wtype, NCH, max_regs=0, x_regs=False):
+    """moe_gate_up_decode with each warp's next (row, slot) unit loading while it computes the
+    current one (the gate and up rows of a unit, chunk by chunk). Same results bit for bit."""
+    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, NCH, x_regs)
+    stage = _stages_x(wtype) and not x_regs
+    tables = _stages_x(wtype)
+    scale = float32(_FINAL_SCALE[wtype])
+    NX = 8 * NCH
+    jit = _jit_capped(max_regs)
 
-    @cuda.jit
-    def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, rpb, out,
+    @_inline
+    def unit_of(i, n_chunks, warp, nwarps, r0, n_used):
+        """(row, slot, chunk) of a warp's i-th chunk."""
+        t = i // n_chunks
+        unit = warp + t * nwarps
+        return r0 + unit // n_used, unit % n_used, i - t * n_chunks
+
+    @_inline
+    def load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, i, raw_g, raw_u):
+        r, k, c = unit_of(i, n_chunks, warp, nwarps, r0, n_used)
+        load_chunk(a16, a32, slot_off[k * 3] + r * rb, nsb, c * NCH, raw_g)
+        load_chunk(a16, a32, slot_off[k * 3 + 1] + r * rb, nsb, c * NCH, raw_u)
+
+    @_inline
+    def dot_gu(raw_g, raw_u, nsb, n_chunks, warp, nwarps, r0, n_used, i, xsrc, xbase, xd, xbs,
+               toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid):
+        r, k, c = unit_of(i, n_chunks, warp, nwarps, r0, n_used)
+        if c == 0:
+            acc_g[0] = float32(0.0)
+            acc_u[0] = float32(0.0)
+        dot_chunk(raw_g, nsb, c * NCH, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc_g)
+        dot_chunk(raw_u, nsb, c * NCH, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc_u)
+        if c == n_chunks - 1:
+            g = scale * _sum_groups_of_8_f32(acc_g[0])
+            u = scale * _sum_groups_of_8_f32(acc_u[0])
+            if cuda.laneid == 0:
+                mid[k * n_ff + r] = _swiglu(g, u, c32, route_w[k])
+
+    @jit
+    def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
+                           n_ff, rb, rpb, mid, grid_g, ks_g):
+        pdl_enter()
+        grid_s = cuda.shared.array(256, uint64)
+        ks_s = cuda.shared.array(128, uint8)
+        xs = cuda.shared.array(0, int32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        nwarps = cuda.blockDim.x >> 5
+        c32 = float32(clamp)
+        k4 = nsb * 64
+        toks = cuda.local.array(1, int64)
+        xbase = cuda.local.array(1, int64)
+        toks[0] = 0
+        xbase[0] = 0
+        if tables:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+        if stage:
+            _stage_row(xs, 0, xq32, 0, k4)
+        if tables:
+            cuda.syncthreads()
+        x_reg = cuda.local.array(NX, int32)
+        if x_regs:                                     # lane (q, j): slice j of super-blocks 4u + q
+            q = lane >> 3
+            for u in range(NCH):
+                sb = 4 * u + q
+                for i in range(8):
+                    x_reg[8 * u + i] = xq32[_ix(64 * sb + 8 * (lane & 7) + i)] if sb < nsb else int32(0)
+        xsrc = x_reg if x_regs else (xs if stage else xq32)
+        r0 = cuda.blockIdx.x * rpb
+        n_units = min(rpb, n_ff - r0) * n_used
+        n_chunks = (((nsb + 3) >> 2) + NCH - 1) // NCH
+        n_iter = ((n_units - warp + nwarps - 1) // nwarps) * n_chunks if warp < n_units else 0
+        if n_iter > 0:                                                 # warp-uniform
+            raw_ga = cuda.local.array(NRAW, uint32)
+            raw_ua = cuda.local.array(NRAW, uint32)
+            raw_gb = cuda.local.array(NRAW, uint32)
+            raw_ub = cuda.local.array(NRAW, uint32)
+            acc_g = cuda.local.array(1, float32)
+            acc_u = cuda.local.array(1, float32)
+            load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, 0, raw_ga, raw_ua)
+            for i in range(0, n_iter, 2):           # chunks i (the a buffers) and i + 1 (b)
+                if i + 1 < n_iter:
+                    load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, i + 1,
+                            raw_gb, raw_ub)
+                dot_gu(raw_ga, raw_ua, nsb, n_chunks, warp, nwarps, r0, n_used, i, xsrc, xbase, xd,
+                       xbs, toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid)
+                if i + 1 < n_iter:
+                    if i + 2 < n_iter:
+                        load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used,
+                                i + 2, raw_ga, raw_ua)
+                    dot_gu(raw_gb, raw_ub, nsb, n_chunks, warp, nwarps, r0, n_used, i + 1, xsrc,
+                           xbase, xd, xbs, toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid)
+
+    return moe_gate_up_decode
+
+
+def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
+    """One warp per output row: it walks the row's (slot, chunk) units in slot order, the next
+    unit's weights loading while the current one is computed, and adds the slot results in slot
+    order (0 + r_0 + r_1 + ...), as ds4 does. No shared partials, no barrier after the staging."""
+    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, NCH)
+    stage = _stages_x(wtype)
+    scale = float32(_FINAL_SCALE[wtype])
+    jit = _jit_capped(max_regs)
+
+    @_inline
+    def load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, i, raw):
+        k = i // n_chunks
+        load_chunk(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, (i - k * n_chunks) * NCH, raw)
+
+    @_inline
+    def dot_unit(raw, nsb, n_chunks, i, xsrc, pad, md, mbs, toks, xbase, grid_s, ks_s, acc, total):
+        """Unit i's terms; at the last chunk of a slot its row result joins total."""
+        k = i // n_chunks
+        c = i - k * n_chunks
+        if c == 0:
+            acc[0] = float32(0.0)
+            toks[0] = k
+            xbase[0] = k * pad
+        dot_chunk(raw, nsb, c * NCH, xsrc, xbase, md, mbs, toks, grid_s, ks_s, acc)
+        if c == n_chunks - 1:
+            total = total + scale * _sum_groups_of_8_f32(acc[0])
+        return total
+
+    @jit
+    def moe_down_decode(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out,
                         grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
-        part = cuda.shared.array(UPB, float32)
         xs = cuda.shared.array(0, int32)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
         k4 = nsb * 64
-        pad = k4 + k4 // 8
+        pad = k4 + k4 // 8 if stage else k4
         if stage:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             for k in range(n_used):
                 _stage_row(xs, k * pad, mq32, k * k4, k4)
             cuda.syncthreads()
-        r0 = cuda.blockIdx.x * rpb
-        n_units = min(rpb, n_embd - r0) * n_used
-        u0 = warp * R
-        if u0 < n_units:                                   # warp-uniform
-            roffs = cuda.local.array(R, int64)
-            toks = cuda.local.array(R, int64)
-            xbase = cuda.local.array(R, int64)
-            for i in range(R):
-                unit = min(u0 + i, n_units - 1)
-                r = r0 + unit // n_used
-                k = unit % n_used
-                roffs[i] = slot_off[k * 3 + 2] + r * rb
-                toks[i] = k
-                xbase[i] = k * pad if stage else k * k4
-            res = cuda.local.array(R, float32)
-            rowdots(a16, a32, roffs, nsb, xs if stage else mq32, xbase, md, mbs, toks, 1,
-                    grid_s, ks_s, res)
-            if lane == 0:
-                for i in range(R):
-                    if u0 + i < n_units:
-                        part[u0 + i] = res[i]
-        cuda.syncthreads()
-        t = cuda.threadIdx.x
-        if t < rpb and r0 + t < n_embd:
-            acc = float32(0.0)
-            for k in range(n_used):          # slot order, as ds4 adds them
-                acc = acc + part[t * n_used + k]
-            out[r0 + t] = acc
-            if hc_on:                        # the HC post of this dim (f_b: the shared expert)
-                hc_post_dim(hc_state, r0 + t, acc + hc_fb[r0 + t], hc_post, hc_comb)
+        r = cuda.blockIdx.x * NW + (cuda.threadIdx.x >> 5)
+        if r < n_embd:                                     # warp-uniform
+            n_chunks = (((nsb + 3) >> 2) + NCH - 1) // NCH
+            n_units = n_used * n_chunks
+            raw_a = cuda.local.array(NRAW, uint32)
+            raw_b = cuda.local.array(NRAW, uint32)
+            toks = cuda.local.array(1, int64)
+            xbase = cuda.local.array(1, int64)
+            acc = cuda.local.array(1, float32)
+            xsrc = xs if stage else mq32
+            total = float32(0.0)
+            load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, 0, raw_a)
+            for i in range(0, n_units, 2):                 # units i (raw_a) and i + 1 (raw_b)
+                if i + 1 < n_units:
+                    load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, i + 1, raw_b)
+                total = dot_unit(raw_a, nsb, n_chunks, i, xsrc, pad, md, mbs, toks, xbase,
+                                 grid_s, ks_s, acc, total)
+                if i + 1 < n_units:
+                    if i + 2 < n_units:
+                        load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, i + 2, raw_a)
+                    total = dot_unit(raw_b, nsb, n_chunks, i + 1, xsrc, pad, md, mbs, toks,
+                                     xbase, grid_s, ks_s, acc, total)
+            if cuda.laneid == 0:
+                out[r] = total
+                if hc_on:                        # the HC post of this dim (f_b: the shared expert)
+                    hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
 
     return moe_down_decode
 
@@ -1722,8 +1889,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     NCH = _nch(n_embd)
     regs = _REGS_GATE_UP
     x_regs = _gate_up_x_regs(gate_type, n_embd)
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs))
+    make = _moe_gate_up_decode_pf_kernel if _PF_GATE_UP else _moe_gate_up_decode_kernel
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, _PF_GATE_UP),
+                     lambda: make(gate_type, NCH, regs, x_regs))
     grid_g, ks_g = _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
@@ -1742,19 +1910,14 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     n_used = slot_offsets.shape[0]
     a16, a32, _ = _arena_views(arena)
     NCH = _nch(n_ff)
-    R = _R_DOWN
-    NW = _NW_DOWN or n_used
-    if n_used > NW * R:
-        raise ValueError(f"moe_down: at most {NW * R} experts per token")
-    kernel = _cached(("moe_down_dec", down_type, NCH, R, NW),
-                     lambda: _moe_down_decode_kernel(down_type, NCH, R, NW))
+    NW, regs = _NW_DOWN, _REGS_DOWN
+    kernel = _cached(("moe_down_dec", down_type, NCH, NW, regs),
+                     lambda: _moe_down_decode_kernel(down_type, NCH, NW, regs))
     grid_g, ks_g = _iq2_tables()
-    rpb = (NW * R) // n_used
-    kernel[(n_embd + rpb - 1) // rpb, NW * WARP, _stream(stream),
-           _shmem_x(down_type, n_used, n_ff)](
+    kernel[(n_embd + NW - 1) // NW, NW * WARP, _stream(stream), _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
-        F.row_bytes(down_type, n_ff), n_embd, rpb, _flat(out), grid_g, ks_g, *_hc_args(hc))
+        F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))
 
 
 class MoEWorkspace:

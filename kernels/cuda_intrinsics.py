@@ -14,6 +14,10 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
+* ``byte_mask(nibble)``: 0xFF in byte k where bit k of nibble is set, else 0 (the multiply and
+  permute of negate_bytes alone).
+* ``even_signs(bits7)``: IQ2_XXS's 8 sign bits from the 7 stored ones: bit 7 makes the count of
+  set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -78,6 +82,13 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
                 b = (-b) & 0xFF
             out |= b << (8 * k)
         return np.uint32(out)
+
+    def byte_mask(nibble):
+        return np.uint32(sum(0xFF << (8 * k) for k in range(4) if (int(nibble) >> k) & 1))
+
+    def even_signs(bits7):
+        b = int(bits7) & 0x7F
+        return np.int32(b | ((bin(b).count("1") & 1) << 7))
 
     def pdl_enter():
         return None
@@ -194,6 +205,34 @@ else:
                    "and.b32 m, m, 0x01010101; "
                    "add.u32 $0, o, m; }")
             return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def byte_mask(typingctx, nibble):
+        if not isinstance(nibble, types.Integer):
+            return None
+        sig = types.uint32(nibble)
+
+        def codegen(context, builder, signature, args):
+            v = _i32(context, builder, args[0], signature.args[0])
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            asm = ("{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
+            return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
+
+        return sig, codegen
+
+    @intrinsic
+    def even_signs(typingctx, bits7):
+        if not isinstance(bits7, types.Integer):
+            return None
+        sig = types.int32(bits7)
+
+        def codegen(context, builder, signature, args):
+            v = _i32(context, builder, args[0], signature.args[0])
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            asm = "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }"
+            return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
 
         return sig, codegen
 

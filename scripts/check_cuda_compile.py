@@ -77,6 +77,8 @@ q8_rows = (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) 
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
+ "moe_gate_up_decode_pf IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_pf_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
+ "moe_gate_up_decode_pf IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_pf_kernel(IQ2, 2, 0, False), moe_dec),
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
@@ -88,8 +90,8 @@ quant = {
                                          f16_rows),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
                                    f16_rows),
- "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._R_DOWN),
-                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, i64, f32a) + tables + hc_epi),
+ "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._NW_DOWN, qk._REGS_DOWN),
+                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

@@ -267,6 +267,56 @@ def test_moe_decode_matches_cpu(experts, clamp):
     assert np.array_equal(y, y2)
 
 
+@pytest.mark.parametrize("pf,split", [(False, False), (True, False), (False, True), (True, True)])
+def test_moe_gate_up_variants_give_the_same_bits(experts, pf, split):
+    """The gate/up decode kernel with and without next-unit prefetch and with either IQ2_XXS sign
+    arithmetic (negated bytes, or dot(g, x) - 2 dot(g & m, x)): the same integers and the same
+    f32 order, so the same bits as the shipped settings."""
+    rng = _rng(11)
+    x = rng.standard_normal(N_EMBD).astype(np.float32)
+    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
+    mid_ref = ws.mid.copy_to_host()
+    saved = K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP
+    try:
+        K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP = pf, split, 128 if pf else 0
+        K._KERNELS.clear()
+        K._ROWDOTS.clear()
+        y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
+        assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
+        assert np.array_equal(y, y_ref)
+    finally:
+        K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP = saved
+        K._KERNELS.clear()
+        K._ROWDOTS.clear()
+
+
+@pytest.mark.parametrize("n_ff", [256, 5120])
+def test_moe_down_decode_equals_slot_matvecs(n_ff):
+    """moe_down (one warp per output row, slots in order, the next (slot, chunk) loading while the
+    current one is computed) against a Q2_K matvec per slot added in slot order, bit for bit: rows
+    of one chunk (n_ff 256) and of two (5120: 5 steps of 4 super-blocks, chunks of 4 steps)."""
+    rng = _rng(12)
+    n_used, n_embd = 6, 384
+    down = TD.random_weights(F.Q2_K, (n_used, n_embd, n_ff), rng)
+    arena, (od,) = _arena([down])
+    stride = down.shape[1] * down.shape[2]
+    slot_off = cuda.to_device(np.array([[0, 0, od + k * stride] for k in range(n_used)], np.int64))
+    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_used * n_ff)))
+    out = cuda.device_array(n_embd, np.float32)
+    K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq, md, mbs, out)
+    total = np.zeros(n_embd, np.float32)
+    nsb = n_ff // 256
+    for k in range(n_used):
+        y = cuda.device_array((1, n_embd), np.float32)
+        K.matvec_q2_k(arena, od + k * stride, n_embd, n_ff, mq[k * n_ff:(k + 1) * n_ff],
+                      md[k * nsb:(k + 1) * nsb], mbs[k * 16 * nsb:(k + 1) * 16 * nsb], y)
+        total = total + y.copy_to_host()[0]
+    assert np.array_equal(out.copy_to_host(), total)
+
+
 @pytest.mark.parametrize("grouping", ["host", "device"])
 @pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "tensor-cores"])
 def test_moe_prefill_tokens_equal_decode(experts, mma, grouping):
