@@ -414,6 +414,138 @@ def _q8_0_kernel(S, T, U=_Q8_0_U):
     return q8_0_rows
 
 
+_Q8_0_STREAM = True       # decode matvecs of >= _Q8_0_STREAM_ROWS rows: q8_0_stream
+_Q8_0_STREAM_ROWS = 4096
+_Q8_0_STREAM_WARPS = 32   # resident warps per SM the stream grid is sized for
+_Q8_0_STREAM_REGS = 64    # its register cap: 32 warps fit an SM (uncapped it takes 72)
+
+
+def _q8_0_stream_kernel(S, U=_Q8_0_U):
+    """One-token Q8_0 rows for large matrices: a grid of one wave, each warp walking rows
+    gw, gw + n_warps, ... chunk by chunk with the next chunk's weights in flight while it computes
+    the current one (the blocks of q8_0_rows each load once and wait: a 35 MB matrix took ~16 us,
+    ~7 us over its bytes at copy speed). The arithmetic of q8_0_rows with the same S, in the same
+    order: chunk c of a row goes to partial c % S (its warp w there), each partial's lane groups
+    meet in the same butterfly, the partials are added in order. So the same bits."""
+    NW = _NW_DENSE
+    jit = _jit_capped(_Q8_0_STREAM_REGS)
+
+    @_inline
+    def load_chunk(a16, hrow, step0, g, t, nb, q0, q1, wd):
+        for u in range(U):
+            b = (step0 + u) * 8 + g
+            q0[u] = uint32(0)
+            q1[u] = uint32(0)
+            wd[u] = float32(0.0)
+            if b < nb:
+                hb = hrow + 17 * b
+                wd[u] = f16_bits_to_f32(a16[_ix(hb)])
+                q0[u] = _u16pair(a16, hb + 1 + 4 * t)
+                q1[u] = _u16pair(a16, hb + 3 + 4 * t)
+
+    @_inline
+    def dot_chunk(q0, q1, wd, step0, g, t, nb, xq64, xd, tok, a):
+        for u in range(U):
+            b = (step0 + u) * 8 + g
+            valid = b < nb
+            xv = int64(0)
+            xs = float32(0.0)
+            if valid:
+                xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
+                xs = xd[_ix(tok * nb + b)]
+            isum = dp4a(q0[u], int32(xv & 0xFFFFFFFF), 0)
+            isum = dp4a(q1[u], int32(xv >> 32), isum)
+            isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
+            isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
+            if valid:
+                a = cuda.fma(wd[u] * xs, float32(isum), a)
+        return a
+
+    @_inline
+    def where(i, nchunks, gw, n_warps):
+        """Row and chunk of a warp's i-th chunk."""
+        k = i // nchunks
+        return gw + k * n_warps, i - k * nchunks
+
+    @_inline
+    def load_at(a16, i, nchunks, gw, n_warps, rows_a, row_h0, row_h0_b, row_h, g, t, nb, q0, q1, wd):
+        row, c = where(i, nchunks, gw, n_warps)
+        load_chunk(a16, _pair_row(row, rows_a, row_h0, row_h0_b, row_h), c * U, g, t, nb, q0, q1, wd)
+
+    @_inline
+    def dot_at(q0, q1, wd, i, nchunks, gw, n_warps, g, t, nb, xq64, xd, x_group_rows, acc, out,
+               hc_on, hc_state, hc_fb, hc_post, hc_comb):
+        row, c = where(i, nchunks, gw, n_warps)
+        if c == 0:
+            for k in range(S):
+                acc[k] = float32(0.0)
+        w = c % S
+        a = float32(0.0)
+        for k in range(S):                 # acc[w] with w known only at run time, kept in registers
+            if k == w:
+                a = acc[k]
+        a = dot_chunk(q0, q1, wd, c * U, g, t, nb, xq64, xd, row // x_group_rows, a)
+        for k in range(S):
+            if k == w:
+                acc[k] = a
+        if c == nchunks - 1:
+            total = float32(0.0)
+            for k in range(S):
+                v = acc[k]
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+                v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+                total = v if k == 0 else total + v
+            if cuda.laneid == 0:
+                out[row] = total
+                if hc_on:                   # the HC post of dim `row`
+                    hc_post_dim(hc_state, row, total + hc_fb[row], hc_post, hc_comb)
+
+    @jit
+    def q8_0_stream(a16, row_h0, row_h, rows, nb, xq64, xd, out, row_h0_b, rows_a, x_group_rows,
+                    hc_on, hc_state, hc_fb, hc_post, hc_comb):
+        pdl_enter()
+        lane = cuda.laneid
+        g = lane >> 2
+        t = lane & 3
+        gw = cuda.blockIdx.x * NW + (cuda.threadIdx.x >> 5)
+        n_warps = cuda.gridDim.x * NW
+        nchunks = ((nb + 7) // 8 + U - 1) // U
+        n_iter = ((rows - gw + n_warps - 1) // n_warps) * nchunks if gw < rows else 0
+        if n_iter > 0:                                     # warp-uniform
+            q0a = cuda.local.array(U, uint32)
+            q1a = cuda.local.array(U, uint32)
+            wda = cuda.local.array(U, float32)
+            q0b = cuda.local.array(U, uint32)
+            q1b = cuda.local.array(U, uint32)
+            wdb = cuda.local.array(U, float32)
+            acc = cuda.local.array(S, float32)
+            load_at(a16, 0, nchunks, gw, n_warps, rows_a, row_h0, row_h0_b, row_h, g, t, nb, q0a, q1a, wda)
+            for i in range(0, n_iter, 2):          # chunks i (the a buffers) and i + 1 (b)
+                if i + 1 < n_iter:
+                    load_at(a16, i + 1, nchunks, gw, n_warps, rows_a, row_h0, row_h0_b, row_h, g, t,
+                            nb, q0b, q1b, wdb)
+                dot_at(q0a, q1a, wda, i, nchunks, gw, n_warps, g, t, nb, xq64, xd, x_group_rows,
+                       acc, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
+                if i + 1 < n_iter:
+                    if i + 2 < n_iter:
+                        load_at(a16, i + 2, nchunks, gw, n_warps, rows_a, row_h0, row_h0_b, row_h,
+                                g, t, nb, q0a, q1a, wda)
+                    dot_at(q0b, q1b, wdb, i + 1, nchunks, gw, n_warps, g, t, nb, xq64, xd,
+                           x_group_rows, acc, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
+
+    return q8_0_stream
+
+
+_N_SM = []
+
+
+def _n_sm():
+    if not _N_SM:
+        _N_SM.append(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    return _N_SM[0]
+
+
 # ---- Q8_0 matmul on the int8 tensor cores (prefill) --------------------------------------------
 #
 # K = 32 is one Q8_0 block, so one mma.m16n8k32 gives the exact integer block dots of 16 rows x 8
@@ -664,6 +796,13 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
             off_b // 2, rows_a)
+        return
+    if _Q8_0_STREAM and n_tok == 1 and rows >= _Q8_0_STREAM_ROWS:
+        kernel = _cached(("q8_0_stream", S, U), lambda: _q8_0_stream_kernel(S, U))
+        blocks = min((rows + _NW_DENSE - 1) // _NW_DENSE, _n_sm() * _Q8_0_STREAM_WARPS // _NW_DENSE)
+        kernel[blocks, _NW_DENSE * WARP, _stream(stream)](
+            a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), _flat(out), off_b // 2,
+            rows_a, rows // x_groups, *_hc_args(hc))
         return
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
@@ -1239,7 +1378,7 @@ _NW_MOE = 8          # warps per block
 _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
-_PF_GATE_UP = True   # the next unit's weights in flight while the current one is computed
+_PF_GATE_UP = False  # the next unit's weights in flight while the current one is computed
 _NW_DOWN = 4         # warps (output rows) per down decode block
 _REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
                      # one wave on 132 SMs (uncapped it takes 69: 28 warps per SM, 1.1 waves)
