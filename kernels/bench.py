@@ -533,29 +533,20 @@ def bench_tune(timer, copy_bw, rng, log, moe):
     matmul and tensor-core matmul keep one summation order per shape). Only the time changes."""
     from . import cuda as CK
     res = []
-    names = ("_Q8_0_U", "_Q8_0_STREAM", "_Q8_0_STREAM_WARPS", "_Q8_0_STREAM_REGS")
-    saved = tuple(getattr(CK, n) for n in names) + (CK._dense_split,)
+    saved = (CK._Q8_0_U, CK._dense_split)
     auto = CK._dense_split
-    shapes = [s for s in DENSE_SHAPES if s[0].startswith(("attn_q_b", "attn_out_a 4096->8192", "attn_out_b",
-                                                          "output", "shared down"))]
-    # (U, S, stream, stream warps per SM, stream register cap); S = 0: _dense_split's choice
-    variants = ((4, 0, False, 32, 64), (4, 0, True, 32, 64), (4, 0, True, 24, 0), (4, 0, True, 16, 0),
-                (2, 0, True, 32, 64), (4, 0, True, 48, 40), (4, 2, False, 32, 64), (2, 0, False, 32, 64))
+    shapes = [s for s in DENSE_SHAPES if s[0].startswith(("attn_q_b", "attn_out_a 4096->8192", "attn_out_b", "output"))]
     try:
-        for U, S, stream, warps, regs in variants:
-            CK._Q8_0_U, CK._Q8_0_STREAM, CK._Q8_0_STREAM_WARPS, CK._Q8_0_STREAM_REGS = U, stream, warps, regs
+        for U, S in ((4, 0), (2, 0), (4, 2), (2, 2), (4, 4), (2, 4), (1, 4), (1, 8)):
+            CK._Q8_0_U = U
             CK._dense_split = auto if not S else (lambda rows, chunks, S=S: max(1, min(S, chunks)))
-            CK._KERNELS.clear()
             for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=shapes):
-                r["variant"] = dict(U=U, S=S or "auto", stream=stream, warps=warps, regs=regs)
+                r["variant"] = dict(U=U, S=S or "auto")
                 res.append(r)
-                log(f"  [U={U} S={S or 'auto'} stream={int(stream)} warps={warps} regs={regs or '-'}] "
-                    f"{r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s {r['pct_copy']:5.1f} %")
+                log(f"  [U={U} S={S or 'auto'}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s "
+                    f"{r['pct_copy']:5.1f} %")
     finally:
-        for n, value in zip(names, saved):
-            setattr(CK, n, value)
-        CK._dense_split = saved[-1]
-        CK._KERNELS.clear()
+        CK._Q8_0_U, CK._dense_split = saved
     return res
 
 

@@ -421,42 +421,6 @@ def test_pair_and_grouped_launches_match_cpu():
         assert np.all(err <= 2 * TD.f32_sum_bound(F.Q8_0, Kd, mag)), f"group {g}"
 
 
-# (launch, rows_a, rows_b, K, groups): one warp per row (S = 1) and two partials (S = 2); a pair
-# of matrices (b at a 2-mod-4 offset); the grouped output projection; rows that leave some warps
-# of the one-wave grid with one row fewer
-STREAM_CASES = [("one", 32768, 0, 1024, 1), ("one", 4096, 0, 8192, 1), ("one", 4100, 0, 2048, 1),
-                ("pair", 4096, 4098, 1024, 1), ("grouped", 8192, 0, 4096, 8)]
-
-
-@pytest.mark.parametrize("case", STREAM_CASES, ids=[f"{c[0]}-{c[1]}+{c[2]}x{c[3]}" for c in STREAM_CASES])
-def test_q8_0_stream_equals_rows_kernel(case):
-    """The one-wave Q8_0 decode kernel (q8_0_stream, rows >= _Q8_0_STREAM_ROWS) against the
-    block-per-rows kernel it replaces there, bit for bit."""
-    kind, rows_a, rows_b, Kd, groups = case
-    rng = _rng(90 + rows_a + Kd)
-    wa = TD.random_weights(F.Q8_0, (rows_a, Kd), rng)
-    parts = [wa] + ([(TD.random_weights(F.Q8_0, (rows_b, Kd), rng), 2)] if rows_b else [])
-    arena, offs = _arena(parts)
-    x = rng.standard_normal(groups * Kd).astype(np.float32)
-    xq, xd, _, _ = _prepare(F.Q8_0, x[None, :])
-    results = []
-    saved = K._Q8_0_STREAM
-    try:
-        for stream in (True, False):
-            K._Q8_0_STREAM = stream
-            out = cuda.device_array(rows_a + rows_b, np.float32)
-            if kind == "pair":
-                K.matvec_q8_0_pair(arena, offs[0], rows_a, offs[1], rows_b, Kd, xq, xd, out)
-            elif kind == "grouped":
-                K.matvec_q8_0_grouped(arena, offs[0], rows_a, Kd, groups, xq, xd, out)
-            else:
-                K.matvec_q8_0(arena, offs[0], rows_a, Kd, xq, xd, out)
-            results.append(out.copy_to_host())
-    finally:
-        K._Q8_0_STREAM = saved
-    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
-
-
 # ------------------------------------------------------------------ HC-post epilogues (decode)
 
 def _hc_inputs(rng, n_hc=4, n_embd=N_EMBD):
