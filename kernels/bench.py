@@ -482,23 +482,23 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
 
 def bench_tune_moe(timer, copy_bw, rng, log, moe):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
-    rows per block, warps per block, register cap, next-unit prefetch (PF), the IQ2_XXS sign
+    rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
     arithmetic (split: dot(g, x) - 2 dot(g & m, x)); down warps per block and register cap.
     Every variant must give the same bits (checked: mid and out of one step against the first
     variant); only the time may change."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
-    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_PF_GATE_UP", "_IQ2_SPLIT_SIGNS",
+    names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN")
     saved = tuple(getattr(CK, n) for n in names)
-    # (the gate/up kernel keeps x in 32 registers: 125-142 registers, 2 blocks of 8 warps per SM
-    # at a cap of 128; down: one warp per output row, 64 registers = 32 warps per SM)
-    variants = [(8, 8, 0, False, False, 4, 64), (8, 8, 0, False, True, 4, 64),
-                (8, 8, 128, True, False, 4, 64), (8, 8, 128, True, True, 4, 64),
-                (16, 8, 128, True, True, 4, 64), (4, 4, 128, True, True, 4, 64),
-                (8, 8, 128, True, True, 2, 64), (8, 8, 128, True, True, 8, 64),
-                (8, 8, 128, True, True, 4, 0), (8, 8, 128, True, True, 8, 0)]
+    # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
+    # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
+    # warps per SM)
+    variants = [(8, 8, 0, True, True, 4, 64), (8, 8, 0, True, False, 4, 64),
+                (8, 8, 0, False, True, 4, 64), (16, 8, 0, False, True, 4, 64),
+                (8, 16, 0, False, True, 4, 64), (4, 4, 0, False, True, 4, 64),
+                (16, 16, 0, False, True, 4, 64), (8, 8, 0, True, True, 8, 64)]
     first = None
     try:
         for v in variants:
@@ -516,7 +516,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["variant"] = dict(zip(names, v))
                 r["same_bits"] = same
                 res.append(r)
-                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} pf {int(v[3])} split {int(v[4])}; "
+                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}; "
                     f"down warps {v[5]} regs {v[6] or '-'}] {r['name'][:30]:30s} {r['us']:8.2f} us "
                     f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} % {'same bits' if same else 'BITS DIFFER'}")
     finally:

@@ -330,8 +330,8 @@ def _cached(key, build):
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
-_Q8_0_R = 2    # rows per warp of one-token launches with one warp per row (S == 1): the
-               # per-warp set-up is paid once for R rows, and R times the loads are in flight
+_Q8_0_R = 1    # rows per warp of one-token launches with one warp per row (S == 1); kbench tune
+               # on the H200, R = 2: q_b 14.6 -> 17.5 us, out_a 15.9 -> 18.8, head 154 -> 171
 
 
 def _make_q8_0_chunk(T, U, R):
@@ -1049,14 +1049,14 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
     return rowdots
 
 
-def _make_chunk_parts(wtype, NCH, x_regs=False):
+def _make_chunk_parts(wtype, NCH):
     """One load chunk (up to NCH steps) of one row's dot with one token, split in its two phases
     so that a warp can load its next chunk while it computes this one: load_chunk(..., c0, raw)
     fills raw, dot_chunk(raw, ..., c0, acc) adds the chunk's terms to acc[0]; after the row's last
     chunk, _FINAL_SCALE * _sum_groups_of_8_f32(acc[0]) is its result. Same arithmetic, in the same
     order, as rowdots with R = T = 1."""
     load, NWORDS = _LOADERS[wtype]()
-    compute = _make_compute_iq2_xxs(1, True) if x_regs else _COMPUTERS[wtype](1)
+    compute = _COMPUTERS[wtype](1)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw):
@@ -1260,7 +1260,7 @@ _NW_MOE = 8          # warps per block
 _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
-_PF_GATE_UP = False  # the next unit's weights in flight while the current one is computed
+_X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else staged in shared memory)
 _NW_DOWN = 4         # warps (output rows) per down decode block
 _REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
                      # one wave on 132 SMs (uncapped it takes 69: 28 warps per SM, 1.1 waves)
@@ -1323,111 +1323,20 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
         res = cuda.local.array(2, float32)
         r0 = cuda.blockIdx.x * rpb
         n_units = min(rpb, n_ff - r0) * n_used
-        for unit in range(warp, n_units, cuda.blockDim.x >> 5):     # warp-uniform loop
-            r = r0 + unit // n_used
-            k = unit % n_used
+        nwarps = cuda.blockDim.x >> 5
+        r = r0 + warp // n_used                       # unit = (r - r0) * n_used + k, stepped
+        k = warp % n_used                             # without a division per unit
+        for unit in range(warp, n_units, nwarps):     # warp-uniform loop
             roffs[0] = slot_off[k * 3] + r * rb
             roffs[1] = slot_off[k * 3 + 1] + r * rb
             rowdots(a16, a32, roffs, nsb, x_reg if x_regs else (xs if stage else xq32), xbase, xd, xbs,
                     toks, 1, grid_s, ks_s, res)
             if lane == 0:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-
-    return moe_gate_up_decode
-
-
-def _moe_gate_up_decode_pf_kernel(wtype, NCH, max_regs=0, x_regs=False):
-    """moe_gate_up_decode with each warp's next (row, slot) unit loading while it computes the
-    current one (the gate and up rows of a unit, chunk by chunk). Same results bit for bit."""
-    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, NCH, x_regs)
-    stage = _stages_x(wtype) and not x_regs
-    tables = _stages_x(wtype)
-    scale = float32(_FINAL_SCALE[wtype])
-    NX = 8 * NCH
-    jit = _jit_capped(max_regs)
-
-    @_inline
-    def unit_of(i, n_chunks, warp, nwarps, r0, n_used):
-        """(row, slot, chunk) of a warp's i-th chunk."""
-        t = i // n_chunks
-        unit = warp + t * nwarps
-        return r0 + unit // n_used, unit % n_used, i - t * n_chunks
-
-    @_inline
-    def load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, i, raw_g, raw_u):
-        r, k, c = unit_of(i, n_chunks, warp, nwarps, r0, n_used)
-        load_chunk(a16, a32, slot_off[k * 3] + r * rb, nsb, c * NCH, raw_g)
-        load_chunk(a16, a32, slot_off[k * 3 + 1] + r * rb, nsb, c * NCH, raw_u)
-
-    @_inline
-    def dot_gu(raw_g, raw_u, nsb, n_chunks, warp, nwarps, r0, n_used, i, xsrc, xbase, xd, xbs,
-               toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid):
-        r, k, c = unit_of(i, n_chunks, warp, nwarps, r0, n_used)
-        if c == 0:
-            acc_g[0] = float32(0.0)
-            acc_u[0] = float32(0.0)
-        dot_chunk(raw_g, nsb, c * NCH, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc_g)
-        dot_chunk(raw_u, nsb, c * NCH, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc_u)
-        if c == n_chunks - 1:
-            g = scale * _sum_groups_of_8_f32(acc_g[0])
-            u = scale * _sum_groups_of_8_f32(acc_u[0])
-            if cuda.laneid == 0:
-                mid[k * n_ff + r] = _swiglu(g, u, c32, route_w[k])
-
-    @jit
-    def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
-                           n_ff, rb, rpb, mid, grid_g, ks_g):
-        pdl_enter()
-        grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
-        xs = cuda.shared.array(0, int32)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        nwarps = cuda.blockDim.x >> 5
-        c32 = float32(clamp)
-        k4 = nsb * 64
-        toks = cuda.local.array(1, int64)
-        xbase = cuda.local.array(1, int64)
-        toks[0] = 0
-        xbase[0] = 0
-        if tables:
-            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
-        if stage:
-            _stage_row(xs, 0, xq32, 0, k4)
-        if tables:
-            cuda.syncthreads()
-        x_reg = cuda.local.array(NX, int32)
-        if x_regs:                                     # lane (q, j): slice j of super-blocks 4u + q
-            q = lane >> 3
-            for u in range(NCH):
-                sb = 4 * u + q
-                for i in range(8):
-                    x_reg[8 * u + i] = xq32[_ix(64 * sb + 8 * (lane & 7) + i)] if sb < nsb else int32(0)
-        xsrc = x_reg if x_regs else (xs if stage else xq32)
-        r0 = cuda.blockIdx.x * rpb
-        n_units = min(rpb, n_ff - r0) * n_used
-        n_chunks = (((nsb + 3) >> 2) + NCH - 1) // NCH
-        n_iter = ((n_units - warp + nwarps - 1) // nwarps) * n_chunks if warp < n_units else 0
-        if n_iter > 0:                                                 # warp-uniform
-            raw_ga = cuda.local.array(NRAW, uint32)
-            raw_ua = cuda.local.array(NRAW, uint32)
-            raw_gb = cuda.local.array(NRAW, uint32)
-            raw_ub = cuda.local.array(NRAW, uint32)
-            acc_g = cuda.local.array(1, float32)
-            acc_u = cuda.local.array(1, float32)
-            load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, 0, raw_ga, raw_ua)
-            for i in range(0, n_iter, 2):           # chunks i (the a buffers) and i + 1 (b)
-                if i + 1 < n_iter:
-                    load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used, i + 1,
-                            raw_gb, raw_ub)
-                dot_gu(raw_ga, raw_ua, nsb, n_chunks, warp, nwarps, r0, n_used, i, xsrc, xbase, xd,
-                       xbs, toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid)
-                if i + 1 < n_iter:
-                    if i + 2 < n_iter:
-                        load_gu(a16, a32, slot_off, rb, nsb, n_chunks, warp, nwarps, r0, n_used,
-                                i + 2, raw_ga, raw_ua)
-                    dot_gu(raw_gb, raw_ub, nsb, n_chunks, warp, nwarps, r0, n_used, i + 1, xsrc,
-                           xbase, xd, xbs, toks, grid_s, ks_s, acc_g, acc_u, c32, route_w, n_ff, mid)
+            k += nwarps
+            while k >= n_used:
+                k -= n_used
+                r += 1
 
     return moe_gate_up_decode
 
@@ -1442,15 +1351,20 @@ def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     jit = _jit_capped(max_regs)
 
     @_inline
+    def slot_chunk(i, n_chunks):
+        """(slot, chunk) of unit i; no division when rows are one chunk (the flash shapes)."""
+        k = i if n_chunks == 1 else i // n_chunks
+        return k, i - k * n_chunks
+
+    @_inline
     def load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, i, raw):
-        k = i // n_chunks
-        load_chunk(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, (i - k * n_chunks) * NCH, raw)
+        k, c = slot_chunk(i, n_chunks)
+        load_chunk(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, c * NCH, raw)
 
     @_inline
     def dot_unit(raw, nsb, n_chunks, i, xsrc, pad, md, mbs, toks, xbase, grid_s, ks_s, acc, total):
         """Unit i's terms; at the last chunk of a slot its row result joins total."""
-        k = i // n_chunks
-        c = i - k * n_chunks
+        k, c = slot_chunk(i, n_chunks)
         if c == 0:
             acc[0] = float32(0.0)
             toks[0] = k
@@ -1909,10 +1823,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _ = _arena_views(arena)
     NCH = _nch(n_embd)
     regs = _REGS_GATE_UP
-    x_regs = _gate_up_x_regs(gate_type, n_embd)
-    make = _moe_gate_up_decode_pf_kernel if _PF_GATE_UP else _moe_gate_up_decode_kernel
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, _PF_GATE_UP),
-                     lambda: make(gate_type, NCH, regs, x_regs))
+    x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd)
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs))
     grid_g, ks_g = _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)

@@ -267,11 +267,11 @@ def test_moe_decode_matches_cpu(experts, clamp):
     assert np.array_equal(y, y2)
 
 
-@pytest.mark.parametrize("pf,split", [(False, False), (True, False), (False, True), (True, True)])
-def test_moe_gate_up_variants_give_the_same_bits(experts, pf, split):
-    """The gate/up decode kernel with and without next-unit prefetch and with either IQ2_XXS sign
-    arithmetic (negated bytes, or dot(g, x) - 2 dot(g & m, x)): the same integers and the same
-    f32 order, so the same bits as the shipped settings."""
+@pytest.mark.parametrize("x_regs,split", [(True, False), (False, True), (False, False)])
+def test_moe_gate_up_variants_give_the_same_bits(experts, x_regs, split):
+    """The gate/up decode kernel with x in registers or staged in shared memory and with either
+    IQ2_XXS sign arithmetic (negated bytes, or dot(g, x) - 2 dot(g & m, x)): the same integers and
+    the same f32 order, so the same bits as the shipped settings."""
     rng = _rng(11)
     x = rng.standard_normal(N_EMBD).astype(np.float32)
     ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
@@ -279,16 +279,16 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, pf, split):
     ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
     y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
     mid_ref = ws.mid.copy_to_host()
-    saved = K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP
+    saved = K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS
     try:
-        K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP = pf, split, 128 if pf else 0
+        K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS = x_regs, split
         K._KERNELS.clear()
         K._ROWDOTS.clear()
         y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
         assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
         assert np.array_equal(y, y_ref)
     finally:
-        K._PF_GATE_UP, K._IQ2_SPLIT_SIGNS, K._REGS_GATE_UP = saved
+        K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS = saved
         K._KERNELS.clear()
         K._ROWDOTS.clear()
 
