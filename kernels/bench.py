@@ -533,21 +533,21 @@ def bench_tune(timer, copy_bw, rng, log, moe):
     matmul and tensor-core matmul keep one summation order per shape). Only the time changes."""
     from . import cuda as CK
     res = []
-    saved = (CK._Q8_0_U, CK._Q8_0_R, CK._dense_split)
+    saved = (CK._Q8_0_U, CK._dense_split)
     auto = CK._dense_split
     shapes = [s for s in DENSE_SHAPES if s[0].startswith(("attn_q_b", "attn_out_a 4096->8192", "attn_out_b",
                                                           "output", "shared", "attn_q_a"))]
     try:
-        for U, S, R in ((4, 0, 1), (4, 0, 2), (2, 0, 2), (4, 0, 3), (2, 0, 1), (4, 2, 1)):
-            CK._Q8_0_U, CK._Q8_0_R = U, R
+        for U, S in ((4, 0), (2, 0), (4, 2), (2, 2), (4, 4), (2, 4), (1, 4), (1, 8)):
+            CK._Q8_0_U = U
             CK._dense_split = auto if not S else (lambda rows, chunks, S=S: max(1, min(S, chunks)))
             for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=shapes):
-                r["variant"] = dict(U=U, S=S or "auto", R=R)
+                r["variant"] = dict(U=U, S=S or "auto")
                 res.append(r)
-                log(f"  [U={U} S={S or 'auto'} R={R}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s "
+                log(f"  [U={U} S={S or 'auto'}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s "
                     f"{r['pct_copy']:5.1f} %")
     finally:
-        CK._Q8_0_U, CK._Q8_0_R, CK._dense_split = saved
+        CK._Q8_0_U, CK._dense_split = saved
     return res
 
 

@@ -293,16 +293,15 @@ def _dense_split(rows, chunks):
 
 
 def _make_finish(S, T):
-    """Write the row results acc[a0 + tt]: directly (S == 1) or after adding the S warp partials
-    in order (S > 1 has one row per warp: a0 == 0)."""
+    """Write the row results: directly (S == 1) or after adding the S warp partials in order."""
 
     @_inline
-    def finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld, a0):
+    def finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld):
         if S == 1:
             if lane == 0 and row < rows:
                 for tt in range(T):
                     if tok0 + tt < n_tok:
-                        out[(tok0 + tt) * out_ld + row] = acc[a0 + tt]
+                        out[(tok0 + tt) * out_ld + row] = acc[tt]
         else:
             if lane == 0:
                 for tt in range(T):
@@ -330,65 +329,56 @@ def _cached(key, build):
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
-_Q8_0_R = 1    # rows per warp of one-token launches with one warp per row (S == 1); kbench tune
-               # on the H200, R = 2: q_b 14.6 -> 17.5 us, out_a 15.9 -> 18.8, head 154 -> 171
 
 
-def _make_q8_0_chunk(T, U, R):
-    """U warp steps of R Q8_0 rows (half-word offsets hrows[r]) for T tokens. All R*U steps'
-    weight words are loaded first, so each lane has R*U*5 independent loads in flight (decode is
-    latency-bound without that). Row r accumulates into acc[r*T + tt]; its arithmetic does not
-    depend on R."""
-    NW = R * U
+def _make_q8_0_chunk(T, U):
+    """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
+    each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
 
     @_inline
-    def chunk_fn(a16, hrows, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
-        q0 = cuda.local.array(NW, uint32)
-        q1 = cuda.local.array(NW, uint32)
-        wd = cuda.local.array(NW, float32)
-        for r in range(R):
-            for u in range(U):
-                b = (step0 + u) * 8 + g
-                i = r * U + u
-                q0[i] = uint32(0)
-                q1[i] = uint32(0)
-                wd[i] = float32(0.0)
-                if b < nb:
-                    hb = hrows[r] + 17 * b
-                    wd[i] = f16_bits_to_f32(a16[_ix(hb)])
-                    q0[i] = _u16pair(a16, hb + 1 + 4 * t)
-                    q1[i] = _u16pair(a16, hb + 3 + 4 * t)
-        for r in range(R):
-            for tt in range(T):
-                tok = tok0[r] + tt
-                if T == 1 or tok < n_tok:          # warp-uniform
-                    for u in range(U):
-                        b = (step0 + u) * 8 + g
-                        i = r * U + u
-                        valid = b < nb
-                        xv = int64(0)
-                        xs = float32(0.0)
-                        if valid:
-                            xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
-                            xs = xd[_ix(tok * nb + b)]
-                        isum = dp4a(q0[i], int32(xv & 0xFFFFFFFF), 0)
-                        isum = dp4a(q1[i], int32(xv >> 32), isum)
-                        isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
-                        isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
-                        if valid:
-                            acc[r * T + tt] = cuda.fma(wd[i] * xs, float32(isum), acc[r * T + tt])
+    def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
+        q0 = cuda.local.array(U, uint32)
+        q1 = cuda.local.array(U, uint32)
+        wd = cuda.local.array(U, float32)
+        for u in range(U):
+            b = (step0 + u) * 8 + g
+            q0[u] = uint32(0)
+            q1[u] = uint32(0)
+            wd[u] = float32(0.0)
+            if b < nb:
+                hb = hrow + 17 * b
+                wd[u] = f16_bits_to_f32(a16[_ix(hb)])
+                q0[u] = _u16pair(a16, hb + 1 + 4 * t)
+                q1[u] = _u16pair(a16, hb + 3 + 4 * t)
+        for tt in range(T):
+            tok = tok0 + tt
+            if T == 1 or tok < n_tok:          # warp-uniform
+                for u in range(U):
+                    b = (step0 + u) * 8 + g
+                    valid = b < nb
+                    xv = int64(0)
+                    xs = float32(0.0)
+                    if valid:
+                        xv = xq64[_ix(tok * (nb * 4) + b * 4 + t)]
+                        xs = xd[_ix(tok * nb + b)]
+                    isum = dp4a(q0[u], int32(xv & 0xFFFFFFFF), 0)
+                    isum = dp4a(q1[u], int32(xv >> 32), isum)
+                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
+                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
+                    if valid:
+                        acc[tt] = cuda.fma(wd[u] * xs, float32(isum), acc[tt])
 
     return chunk_fn
 
 
-def _q8_0_kernel(S, T, U=_Q8_0_U, R=1):
-    """Q8_0 rows for T tokens per block row: S warps per row (split-K) or, with S == 1, R rows
-    per warp. nchunks (chunks of U steps per row) comes from the host."""
-    assert S == 1 or R == 1
-    RPB = _NW_DENSE // S * R   # rows per block
+def _q8_0_kernel(S, T, U=_Q8_0_U):
+    """Q8_0 rows for T tokens per block row, S warps per row (split-K). nchunks (chunks of U
+    steps per row) comes from the host, and x_tok needs a division only for grouped launches:
+    the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
+    kbench on the H200, q_b 16.5 -> 14.6 us without it)."""
+    RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    chunk_fn = _make_q8_0_chunk(T, U, R)
-    RT = R * T
+    chunk_fn = _make_q8_0_chunk(T, U)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld, row_h0_b,
@@ -400,35 +390,29 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, R=1):
         g = lane >> 2
         t = lane & 3
         w = warp % S
-        row0 = cuda.blockIdx.x * RPB + (warp // S) * R
+        row = cuda.blockIdx.x * RPB + warp // S
         tok0 = cuda.blockIdx.y * T
-        acc = cuda.local.array(RT, float32)
-        for i in range(RT):
-            acc[i] = float32(0.0)
-        hrows = cuda.local.array(R, int64)
-        x_tok = cuda.local.array(R, int64)
-        for r in range(R):
-            row = min(row0 + r, rows - 1)     # a short last warp recomputes its last row
+        acc = cuda.local.array(T, float32)
+        for tt in range(T):
+            acc[tt] = float32(0.0)
+        if row < rows:                      # warp-uniform
             # rows past rows_a belong to a second matrix (two matrices, one launch); with
             # x_group_rows < rows (decode only), row group k reads the k-th slice of x
-            hrows[r] = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
-            x_tok[r] = tok0 + row // x_group_rows if x_group_rows < rows else tok0
-        if row0 < rows:                     # warp-uniform
+            hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
+            x_tok = tok0 + row // x_group_rows if x_group_rows < rows else tok0
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
             for c in range(w, nchunks, S):
-                chunk_fn(a16, hrows, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
-        for i in range(RT):
-            v = acc[i]
+                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
+        for tt in range(T):
+            v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
             v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-            acc[i] = v
-        for r in range(R):
-            row = row0 + r
-            finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld, r * T)
-            if hc_on and w == 0 and lane == 0 and row < rows:     # one token: the HC post of dim `row`
-                hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
+            acc[tt] = v
+        finish(part, acc, warp, lane, w, row, rows, tok0, n_tok, out, out_ld)
+        if hc_on and w == 0 and lane == 0 and row < rows:     # one token: the HC post of dim `row`
+            hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
 
     return q8_0_rows
 
@@ -628,7 +612,7 @@ def _f16_kernel(S, T, R=1):
         for r in range(R):
             for tt in range(T):
                 one[tt] = acc[r * T + tt]
-            finish(part, one, warp, lane, w, row_first + r, rows, tok0, n_tok, out, out_ld, 0)
+            finish(part, one, warp, lane, w, row_first + r, rows, tok0, n_tok, out, out_ld)
             if S > 1 and R > 1:
                 cuda.syncthreads()               # part is read before the next row writes it
 
@@ -685,10 +669,8 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    R = _Q8_0_R if S == 1 and n_tok == 1 else 1
-    kernel = _cached(("q8_0", S, T, U, R), lambda: _q8_0_kernel(S, T, U, R))
-    rpb = _NW_DENSE // S * R
-    grid = ((rows + rpb - 1) // rpb, (n_tok + T - 1) // T)
+    kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
+    grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a16, off_a // 2, 17 * nb, rows, nb, ((nb + 7) // 8 + U - 1) // U, _as_i64(xq), _flat(xd),
         n_tok, _flat(out), rows, off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
@@ -1261,9 +1243,10 @@ _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once pe
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else staged in shared memory)
-_NW_DOWN = 4         # warps (output rows) per down decode block
+_NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
 _REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
-                     # one wave on 132 SMs (uncapped it takes 69: 28 warps per SM, 1.1 waves)
+                     # one wave on 132 SMs (uncapped it takes 69 registers, 28 warps per SM, 1.1
+                     # waves: 23.3 us against 17.6; kbench tune_moe on the H200, session 11)
 
 
 @_inline

@@ -79,7 +79,6 @@ quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
- "q8_0_rows (decode, 2 rows per warp)": (lambda: qk._q8_0_kernel(1, 1, qk._Q8_0_U, 2), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
