@@ -208,33 +208,27 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def byte_mask(typingctx, nibble):
-        if not isinstance(nibble, types.Integer):
-            return None
-        sig = types.uint32(nibble)
+    def _unary_asm(name, ret, asm):
+        """An intrinsic of one 32-bit integer operand computed by the inline PTX `asm`
+        ($0 the result, $1 the operand)."""
+        def typer(typingctx, x):
+            if not isinstance(x, types.Integer):
+                return None
 
-        def codegen(context, builder, signature, args):
-            v = _i32(context, builder, args[0], signature.args[0])
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
-            asm = ("{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
-            return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
+            def codegen(context, builder, signature, args):
+                v = _i32(context, builder, args[0], signature.args[0])
+                fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+                return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
 
-        return sig, codegen
+            return ret(x), codegen
 
-    @intrinsic
-    def even_signs(typingctx, bits7):
-        if not isinstance(bits7, types.Integer):
-            return None
-        sig = types.int32(bits7)
+        typer.__name__ = name
+        return intrinsic(typer)
 
-        def codegen(context, builder, signature, args):
-            v = _i32(context, builder, args[0], signature.args[0])
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
-            asm = "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }"
-            return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
-
-        return sig, codegen
+    byte_mask = _unary_asm("byte_mask", types.uint32,
+                           "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
+    even_signs = _unary_asm("even_signs", types.int32,
+                            "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }")
 
     @intrinsic
     def pdl_enter(typingctx):
