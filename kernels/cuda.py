@@ -993,25 +993,51 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
+def _make_chunk_parts(wtype, T, NCH, x_regs=False):
+    """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
+    load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
+    chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
+    its next chunk while it computes this one (moe_down_decode). Lane map: lane = 8*q + j; a step
+    covers 4 super-blocks, group q takes super-block 4*step + q, lane j one 32-weight slice of
+    it. Returns (load_chunk, dot_chunk, words of raw per chunk)."""
+    load, NWORDS = _LOADERS[wtype]()
+    compute = _make_compute_iq2_xxs(T, True) if x_regs else _COMPUTERS[wtype](T)
+
+    @_inline
+    def load_chunk(a16, a32, roff, nsb, c0, raw, o):
+        q = cuda.laneid >> 3
+        j = cuda.laneid & 7
+        for u in range(NCH):
+            sb = (c0 + u) * 4 + q
+            load(a16, a32, roff, sb, j, sb < nsb, raw, o + u * NWORDS)
+
+    @_inline
+    def dot_chunk(raw, o, nsb, c0, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s, acc, ao):
+        q = cuda.laneid >> 3
+        j = cuda.laneid & 7
+        for u in range(NCH):
+            sb = (c0 + u) * 4 + q
+            compute(raw, o + u * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, to, cnt,
+                    grid_s, ks_s, acc, ao, 8 * u)
+
+    return load_chunk, dot_chunk, NCH * NWORDS
+
+
 def _make_rowdots(wtype, T, R, NCH, x_regs=False):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
-    xbase[r*T + tt] in xsrc. Lane map: lane = 8*q + j; a step covers 4 super-blocks, group q
-    takes super-block 4*step + q, lane j one 32-weight slice of it; the 8 lanes add their
-    integer partials exactly, then accumulate the super-block's f32 term; at the end a fixed
-    butterfly (lane xor 16, 8) adds the 4 groups."""
-    load, NWORDS = _LOADERS[wtype]()
-    compute = _make_compute_iq2_xxs(T, True) if x_regs else _COMPUTERS[wtype](T)
+    xbase[r*T + tt] in xsrc. Each chunk's weights of all R rows are loaded before any is used
+    (_make_chunk_parts); the 8 lanes of a group add their integer partials exactly, then
+    accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
+    4 groups."""
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
-    NRAW = R * NCH * NWORDS
+    NRAW = R * NCHUNK
 
     @_inline
     def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
-        lane = cuda.laneid
-        q = lane >> 3
-        j = lane & 7
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = float32(0.0)
@@ -1019,47 +1045,14 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
         nsteps = (nsb + 3) >> 2
         for c0 in range(0, nsteps, NCH):
             for r in range(R):
-                for u in range(NCH):
-                    sb = (c0 + u) * 4 + q
-                    load(a16, a32, roffs[r], sb, j, sb < nsb, raw, (r * NCH + u) * NWORDS)
+                load_chunk(a16, a32, roffs[r], nsb, c0, raw, r * NCHUNK)
             for r in range(R):
-                for u in range(NCH):
-                    sb = (c0 + u) * 4 + q
-                    compute(raw, (r * NCH + u) * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd,
-                            xbs, toks, r * T, cnt, grid_s, ks_s, acc, r * T, 8 * u)
+                dot_chunk(raw, r * NCHUNK, nsb, c0, xsrc, xbase, xd, xbs, toks, r * T, cnt, grid_s,
+                          ks_s, acc, r * T)
         for i in range(NACC):
             res[i] = scale * _sum_groups_of_8_f32(acc[i])
 
     return rowdots
-
-
-def _make_chunk_parts(wtype, NCH):
-    """One load chunk (up to NCH steps) of one row's dot with one token, split in its two phases
-    so that a warp can load its next chunk while it computes this one: load_chunk(..., c0, raw)
-    fills raw, dot_chunk(raw, ..., c0, acc) adds the chunk's terms to acc[0]; after the row's last
-    chunk, _FINAL_SCALE * _sum_groups_of_8_f32(acc[0]) is its result. Same arithmetic, in the same
-    order, as rowdots with R = T = 1."""
-    load, NWORDS = _LOADERS[wtype]()
-    compute = _COMPUTERS[wtype](1)
-
-    @_inline
-    def load_chunk(a16, a32, roff, nsb, c0, raw):
-        q = cuda.laneid >> 3
-        j = cuda.laneid & 7
-        for u in range(NCH):
-            sb = (c0 + u) * 4 + q
-            load(a16, a32, roff, sb, j, sb < nsb, raw, u * NWORDS)
-
-    @_inline
-    def dot_chunk(raw, nsb, c0, xsrc, xbase, xd, xbs, toks, grid_s, ks_s, acc):
-        q = cuda.laneid >> 3
-        j = cuda.laneid & 7
-        for u in range(NCH):
-            sb = (c0 + u) * 4 + q
-            compute(raw, u * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, 0, 1,
-                    grid_s, ks_s, acc, 0, 8 * u)
-
-    return load_chunk, dot_chunk, NCH * NWORDS
 
 
 _ROWDOTS = {}
@@ -1330,7 +1323,7 @@ def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     """One warp per output row: it walks the row's (slot, chunk) units in slot order, the next
     unit's weights loading while the current one is computed, and adds the slot results in slot
     order (0 + r_0 + r_1 + ...), as ds4 does. No shared partials, no barrier after the staging."""
-    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, NCH)
+    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, 1, NCH)
     stage = _stages_x(wtype)
     scale = float32(_FINAL_SCALE[wtype])
     jit = _jit_capped(max_regs)
@@ -1344,7 +1337,7 @@ def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     @_inline
     def load_unit(a16, a32, slot_off, r, rb, nsb, n_chunks, i, raw):
         k, c = slot_chunk(i, n_chunks)
-        load_chunk(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, c * NCH, raw)
+        load_chunk(a16, a32, slot_off[k * 3 + 2] + r * rb, nsb, c * NCH, raw, 0)
 
     @_inline
     def dot_unit(raw, nsb, n_chunks, i, xsrc, pad, md, mbs, toks, xbase, grid_s, ks_s, acc, total):
@@ -1354,7 +1347,7 @@ def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
             acc[0] = float32(0.0)
             toks[0] = k
             xbase[0] = k * pad
-        dot_chunk(raw, nsb, c * NCH, xsrc, xbase, md, mbs, toks, grid_s, ks_s, acc)
+        dot_chunk(raw, 0, nsb, c * NCH, xsrc, xbase, md, mbs, toks, 0, 1, grid_s, ks_s, acc, 0)
         if c == n_chunks - 1:
             total = total + scale * _sum_groups_of_8_f32(acc[0])
         return total
