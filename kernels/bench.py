@@ -551,6 +551,46 @@ def bench_tune(timer, copy_bw, rng, log, moe):
     return res
 
 
+def bench_tune_prefill(timer, rng, log):
+    """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps and prefetch against
+    the direct kernel, at the engine's prefill shapes; every variant's output must equal the direct
+    kernel's bit for bit (a mismatch is logged and recorded)."""
+    from . import cuda as CK
+    cuda = _cuda()
+    saved = (CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH)
+    variants = [(64, 16, 128, True), (64, 16, 128, False), (32, 32, 128, True), (32, 32, 0, True),
+                (32, 16, 128, True), (64, 32, 128, True), (64, 32, 0, True)]
+    res = []
+    try:
+        for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, 2048), ("Q8_0 4096->1536", 1536, 4096, 512),
+                                 ("Q8_0 1024->32768", 32768, 1024, 512), ("Q8_0 8192->4096", 4096, 8192, 512)):
+            arena = Arena(rows * F.row_bytes(F.Q8_0, K) + 4096, seed=3)
+            off = arena.place(F.Q8_0, rows, K)
+            act = _Act(F.Q8_0, n, K, rng)
+            out = cuda.device_array((n, rows), np.float32)
+            runs = [("direct", None)] + [(f"staged {R}x{T} regs={g or 'none'}{'' if pf else ' no-prefetch'}",
+                                          (R, T, g, pf)) for R, T, g, pf in variants]
+            want = None
+            for label, v in runs:
+                if v is not None:
+                    CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = v
+                staged = v is not None
+                ms = timer.time_eager(lambda s: CK.matmul_q8_0_mma(arena.buf, off, rows, K, n, act.xq, act.xd,
+                                                                   out, s, staged=staged))
+                got = out.copy_to_host()
+                if want is None:
+                    want = got
+                same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+                tops = 2 * n * rows * K / (ms * 1e-3) / 1e12
+                r = dict(name=f"matmul {name} x{n}", variant=label, ms=ms, TOPS=tops, same_bits=same)
+                res.append(r)
+                log(f"  {name + ' x' + str(n):24s} {label:36s} {ms:8.3f} ms {tops:7.1f} TOPS"
+                    + ("" if same else "  DIFFERENT BITS"))
+    finally:
+        CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = saved
+    return res
+
+
 def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
     """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
     cuda = _cuda()
@@ -578,6 +618,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
+    if "tune_prefill" in parts:
+        res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

@@ -229,7 +229,7 @@ _VIEW_CACHE = {}
 
 
 def _arena_views(arena):
-    """(uint16 view, uint32 view) of a uint8 device arena; cached, so no per-call work."""
+    """(uint16, uint32, uint8, uint64) views of a uint8 device arena; cached, so no per-call work."""
     if not cuda.is_cuda_array(arena):
         raise TypeError("arena must be a device array (uint8)")
     iface = arena.__cuda_array_interface__
@@ -240,7 +240,8 @@ def _arena_views(arena):
         if a.dtype != np.uint8 or a.ndim != 1:
             raise TypeError("arena must be a 1-D uint8 device array")
         n = a.size
-        views = (a[: n // 2 * 2].view(np.uint16), a[: n // 4 * 4].view(np.uint32), a)
+        views = (a[: n // 2 * 2].view(np.uint16), a[: n // 4 * 4].view(np.uint32), a,
+                 a[: n // 8 * 8].view(np.uint64))
         if len(_VIEW_CACHE) > 64:
             _VIEW_CACHE.clear()
         _VIEW_CACHE[key] = views
@@ -527,6 +528,218 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
     return q8_0_rows_mma
 
 
+# ---- Q8_0 matmul on the tensor cores through shared memory (prefill) ----------------------------
+#
+# The kernel above reads every A and B fragment straight from global memory: 16-bit weight loads
+# from 8 rows 34 bytes apart, the activations 8 tokens apart, a scale load per (row, block) and per
+# (token, block), so ncu showed it L1-bound at 35 TOPS (8 % of the issue slots used). This one
+# stages each step of 8 blocks (272 bytes of each of 64 rows, 256 bytes and 8 scales of each of 16
+# tokens) in shared memory with coalesced 8-byte loads, the next step's loads in flight in
+# registers while the warps compute the current one, and each warp now covers 64 rows x 32 tokens
+# (16 MMAs per staged step: every B fragment feeds 4 row tiles, every A fragment 4 token tiles).
+# The f32 arithmetic per output is the kernel above's (warp g adds lane group g's blocks in the
+# same order, the same butterfly, the same split-K order), so the outputs are the same bits.
+#
+# Integer to float: the block dots are < 2^22 in magnitude (32 x 128 x 127), so float(c) is
+# (bits(1.5 x 2^23) + c read as a float) - 1.5 x 2^23, two full-rate instructions instead of an
+# I2F at a quarter of the rate (4 conversions per MMA per lane would cap the kernel below the
+# tensor cores otherwise). Exact, so the same bits.
+
+_MMA_ST_ROWS = 64     # rows per block tile (4 MMA row tiles of 16)
+_MMA_ST_TOKS = 16     # tokens per block tile (2 MMA token tiles of 8)
+_MMA_ST_REGS = 128    # register cap: two blocks of 256 threads per SM
+_MMA_ST_PREFETCH = True   # the next step's loads in flight during the MMAs (else after them)
+_MMA_ST_PAD = 36      # uint64 words per staged row (34 or 32 used): the 16 lanes of a half-warp's
+                      # 8-byte fragment loads (4 rows x 4 lanes) fall on distinct banks
+_MMA_STAGED = True    # the engine's Q8_0 prefill matmuls use this kernel where it applies
+_MAGIC = 0x4B400000   # bits of 1.5 x 2^23
+_MAGIC_F = 12582912.0
+
+
+@_inline
+def _exact_float(c):
+    """float32(c) for |c| < 2^22, without an I2F (see above)."""
+    return libdevice.int_as_float(int32(c + _MAGIC)) - float32(_MAGIC_F)
+
+
+def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_REGS,
+                            MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8):
+    ROWS = 16 * MT                   # rows and tokens of the block tile
+    TOKS = 8 * NT
+    NE = 4 * MT * NT                 # sums per lane: (row tile, token tile, 4 MMA results)
+    HALF = NE // 2                   # the warps meet in two halves (16 KB of shared memory each)
+    P = _MMA_ST_PAD
+    NTH = _MMA_G_WARPS * WARP
+    RPW = ROWS // 8                  # staged rows per warp (34 words each)
+    TPW = TOKS // 8                  # staged tokens per warp (32 words each)
+    A_PER = RPW + 1
+    B_PER = TPW
+    XD_N = TOKS * 8                  # activation scales of one step (at most one per thread)
+    NT2 = 2 * NT
+    SA_N = ROWS * P
+    SB_N = TOKS * P
+    SXD_N = TOKS * 9
+    COMB_N = 4 * HALF * 32
+    assert _MMA_G_WARPS == 8 and XD_N <= NTH and 2 * RPW <= WARP
+
+    @_inline
+    def load_step(a64, rbase, xq64, xd, st, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd):
+        """Step st's tiles into registers: warp w takes rows w, w + 8, ... (lane l the row's
+        8-byte word l; words 32 and 33 of the warp's rows in one more load, two lanes a row) and
+        tokens w, w + 8, ... (256 bytes, word l); thread t one activation scale."""
+        for m in range(RPW):
+            pa[m] = a64[_ix(rbase[warp + 8 * m] + 34 * st + lane)]
+        if lane < 2 * RPW:
+            pa[RPW] = a64[_ix(rbase[warp + 8 * (lane >> 1)] + 34 * st + 32 + (lane & 1))]
+        for m in range(TPW):
+            tok = min(tok0 + warp + 8 * m, n_tok - 1)
+            pb[m] = xq64[_ix(tok * (4 * nb) + 32 * st + lane)]
+        if tid < XD_N:
+            tok = min(tok0 + (tid >> 3), n_tok - 1)
+            pd[0] = xd[_ix(tok * nb + 8 * st + (tid & 7))]
+
+    @_inline
+    def store_step(sa, sb, sxd, warp, lane, tid, pa, pb, pd):
+        for m in range(RPW):
+            sa[(warp + 8 * m) * P + lane] = pa[m]
+        if lane < 2 * RPW:
+            sa[(warp + 8 * (lane >> 1)) * P + 32 + (lane & 1)] = pa[RPW]
+        for m in range(TPW):
+            sb[(warp + 8 * m) * P + lane] = pb[m]
+        if tid < XD_N:
+            sxd[(tid >> 3) * 9 + (tid & 7)] = pd[0]
+
+    @_inline
+    def frag8(sa, row, g, tig, sh):
+        """The 8 weight bytes of lane tig in block g of a staged row (2-byte aligned in the row:
+        two 8-byte shared loads and a funnel shift; sh = bit offset, warp-uniform)."""
+        wi = row * P + ((34 * g + 2) >> 3) + tig
+        w0 = sa[wi]
+        if sh == 0:
+            return w0
+        return (w0 >> uint64(sh)) | (sa[wi + 1] << uint64(64 - sh))
+
+    @_inline
+    def scale(sa, row, g):
+        word = sa[row * P + ((34 * g) >> 3)]
+        return f16_bits_to_f32(uint32(word >> uint64(16 * (g & 3))) & _M16)
+
+    @_inline
+    def meet(acc, comb, warp, lane, src_lo, n_src, e0):
+        """acc[e0 .. e0 + HALF) of warps src_lo .. src_lo + n_src - 1 are added to warps 0 ..."""
+        cuda.syncthreads()
+        if warp >= src_lo and warp < src_lo + n_src:
+            for i in range(HALF):
+                comb[((warp - src_lo) * HALF + i) * 32 + lane] = acc[e0 + i]
+        cuda.syncthreads()
+        if warp < n_src:
+            for i in range(HALF):
+                acc[e0 + i] = acc[e0 + i] + comb[(warp * HALF + i) * 32 + lane]
+
+    @_inline
+    def write_half(acc, e0, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w):
+        """Sums e0 .. e0 + HALF - 1 into `out` (sum e = 4 (row tile x NT + token tile) + k; one
+        flat loop of HALF, as in meet: nested loops were left rolled, acc then lived in memory)."""
+        for i in range(HALF):
+            e = e0 + i
+            row = row0 + 16 * (e // (4 * NT)) + gid + 8 * ((e & 3) >> 1)
+            tok = tok0 + 8 * ((e >> 2) % NT) + 2 * tig + (e & 1)
+            if row < rows and tok < n_tok:
+                o = _ix(tok * out_ld + row)
+                out[o] = acc[e] if w == 0 else out[o] + acc[e]     # the warp-split order
+
+    jit = _jit_capped(max_regs)
+
+    @jit
+    def q8_0_rows_mma_staged(a64, row_w0, row_w, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld,
+                             row_w0_b, rows_a):
+        pdl_enter()
+        sa = cuda.shared.array(SA_N, uint64)
+        sb = cuda.shared.array(SB_N, uint64)
+        sxd = cuda.shared.array(SXD_N, float32)
+        rbase = cuda.shared.array(ROWS, int64)
+        comb = cuda.shared.array(COMB_N, float32)
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        g = warp                                    # this warp's lane group: blocks b = g mod 8
+        sh = 8 * ((2 * g + 2) & 7)                  # bit offset of its quants in a staged word
+        row0 = cuda.blockIdx.x * ROWS
+        tok0 = cuda.blockIdx.y * TOKS
+        if tid < ROWS:                      # where each staged row starts (uint64 words)
+            r = min(row0 + tid, rows - 1)           # a short last tile repeats a row
+            rbase[tid] = _pair_row(r, rows_a, row_w0, row_w0_b, row_w)
+        cuda.syncthreads()
+        nsteps = nb // 8
+        pa = cuda.local.array(A_PER, uint64)
+        pb = cuda.local.array(B_PER, uint64)
+        pd = cuda.local.array(1, float32)
+        acc = cuda.local.array(NE, float32)
+        for e in range(NE):
+            acc[e] = float32(0.0)
+        # split pass w takes chunks w, w + S, ... (the dp4a kernel's round robin), U steps each
+        w = 0
+        c = 0
+        u = 0
+        load_step(a64, rbase, xq64, xd, 0, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
+        while w < S:
+            wn = w                                  # the step after this one
+            cn = c
+            un = u + 1
+            if un == U or cn * U + un >= nsteps:
+                un = 0
+                cn = c + S
+                if cn >= nchunks:
+                    wn = w + 1
+                    cn = wn
+            cuda.syncthreads()                      # every warp is done with the last step
+            store_step(sa, sb, sxd, warp, lane, tid, pa, pb, pd)
+            cuda.syncthreads()
+            if prefetch and wn < S:                 # in flight while the MMAs run
+                load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
+            bx = cuda.local.array(NT, uint64)
+            xs = cuda.local.array(NT2, float32)
+            for nt in range(NT):
+                bx[nt] = sb[(8 * nt + gid) * P + 4 * g + tig]
+                xs[2 * nt] = sxd[(8 * nt + 2 * tig) * 9 + g]
+                xs[2 * nt + 1] = sxd[(8 * nt + 2 * tig + 1) * 9 + g]
+            for mt in range(MT):
+                lo = frag8(sa, 16 * mt + gid, g, tig, sh)
+                hi = frag8(sa, 16 * mt + gid + 8, g, tig, sh)
+                wd_lo = scale(sa, 16 * mt + gid, g)
+                wd_hi = scale(sa, 16 * mt + gid + 8, g)
+                for nt in range(NT):
+                    c0, c1, c2, c3 = mma_s8(lo, hi, lo >> uint64(32), hi >> uint64(32),
+                                            bx[nt], bx[nt] >> uint64(32))
+                    e = 4 * (mt * NT + nt)
+                    acc[e] = cuda.fma(wd_lo * xs[2 * nt], _exact_float(c0), acc[e])
+                    acc[e + 1] = cuda.fma(wd_lo * xs[2 * nt + 1], _exact_float(c1), acc[e + 1])
+                    acc[e + 2] = cuda.fma(wd_hi * xs[2 * nt], _exact_float(c2), acc[e + 2])
+                    acc[e + 3] = cuda.fma(wd_hi * xs[2 * nt + 1], _exact_float(c3), acc[e + 3])
+            if not prefetch and wn < S:
+                cuda.syncthreads()
+                load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
+            if wn != w:                         # the end of split pass w: meet and write
+                meet(acc, comb, warp, lane, 4, 4, 0)       # g + (g + 4)
+                meet(acc, comb, warp, lane, 2, 2, 0)       # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
+                meet(acc, comb, warp, lane, 1, 1, 0)       # left + right
+                meet(acc, comb, warp, lane, 4, 4, HALF)    # the same for the second half
+                meet(acc, comb, warp, lane, 2, 2, HALF)
+                meet(acc, comb, warp, lane, 1, 1, HALF)
+                if warp == 0:
+                    write_half(acc, 0, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
+                    write_half(acc, HALF, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
+                for e in range(NE):
+                    acc[e] = float32(0.0)
+            w = wn
+            c = cn
+            u = un
+
+    return q8_0_rows_mma_staged
+
+
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
 
@@ -635,7 +848,8 @@ def _hc_args(hc):
     return (True, state, f_b, post, comb)
 
 
-def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None, hc=None):
+def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None, hc=None,
+                 staged=None):
     """Q8_0 rows of one or two matrices `parts` = [(byte offset, rows), ...] in one launch:
     out[t] = concat(W_a · X[t], W_b · X[t]). With x_groups > 1 (one token), the rows split into
     x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection).
@@ -648,7 +862,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         raise ValueError("Q8_0: activation or output size does not match (n_tok, K, rows)")
     if x_groups > 1 and (n_tok != 1 or rows % x_groups):
         raise ValueError("Q8_0: grouped activations need one token and rows divisible by the groups")
-    a16, _, _ = _arena_views(arena)
+    a16, _, _, a64 = _arena_views(arena)
     nb = K // 32
     for off, r in parts:
         if off + r * 34 * nb > 2 * a16.size:
@@ -661,6 +875,18 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1 and hc is None
+    if mma and staged is None:
+        staged = _MMA_STAGED
+    if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
+        # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
+        R, T, regs, pf = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH
+        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf), lambda: _q8_0_mma_staged_kernel(
+            S, U, pf, regs, R // 16, T // 8))
+        grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
+        kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
+            a64, off_a // 8, 17 * nb // 4, rows, nb, ((nb + 7) // 8 + U - 1) // U, _as_i64(xq),
+            _flat(xd), n_tok, _flat(out), rows, off_b // 8, rows_a)
+        return
     if mma:
         kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
         grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
@@ -683,9 +909,10 @@ def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None):
     _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, hc=hc)
 
 
-def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0):
-    """matmul_q8_0 on the int8 tensor cores (the same numbers bit for bit; any n_tok)."""
-    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, mma=True)
+def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0, staged=None):
+    """matmul_q8_0 on the int8 tensor cores (the same numbers bit for bit; any n_tok). staged:
+    the shared-memory kernel (None: where it applies and _MMA_STAGED), or the direct one."""
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, mma=True, staged=staged)
 
 
 def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
@@ -717,7 +944,7 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     rows = sum(r for _, r in parts)
     if X.size != n_tok * K or out.size != n_tok * rows:
         raise ValueError("F16: activation or output size does not match (n_tok, K, rows)")
-    _, a32, _ = _arena_views(arena)
+    _, a32, _, _ = _arena_views(arena)
     for off, r in parts:
         if off + r * 2 * K > 4 * a32.size:
             raise ValueError("F16: tensor runs past the end of the arena")
@@ -1171,7 +1398,7 @@ _R_DENSE_Q8K = 2
 
 
 def _matmul_q8k(wtype, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream):
-    a16, a32, a8 = _arena_views(arena)
+    a16, a32, a8, _ = _arena_views(arena)
     rb = _check_q8k(wtype, off, rows, K, n_tok, xq, xd, bsums, out, a8.size)
     T = 1 if n_tok == 1 else 4
     R = _R_DENSE_Q8K
@@ -1798,7 +2025,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     """
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
-    a16, a32, _ = _arena_views(arena)
+    a16, a32, _, _ = _arena_views(arena)
     NCH = _nch(n_embd)
     regs = _REGS_GATE_UP
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd)
@@ -1820,7 +2047,7 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     hc = (state, f_b, post, comb): the HC post of each dim once its sum is written (_hc_args)."""
     _check_moe_types(down_type, down_type)
     n_used = slot_offsets.shape[0]
-    a16, a32, _ = _arena_views(arena)
+    a16, a32, _, _ = _arena_views(arena)
     NCH = _nch(n_ff)
     NW, regs = _NW_DOWN, _REGS_DOWN
     kernel = _cached(("moe_down_dec", down_type, NCH, NW, regs),
@@ -2058,7 +2285,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     gu_tiles = tiles_of(8 * _MMA_HALVES_GU) if mma_gu else None
     mma_tiles = tiles_of(8 * _MMA_HALVES_DN) if mma_dn else None
     xq, xd, xbs, mid, mq, md, mbs, pair_out = _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff)
-    a16, a32, _ = _arena_views(arena)
+    a16, a32, _, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu:

@@ -82,6 +82,8 @@ quant = {
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
+ "q8_0_rows_mma_staged (prefill, split-K 4)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U),
+                                               (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),
                        f16_rows),
  "f16_rows (prefill, 4 rows per warp)": (lambda: qk._f16_kernel(1, 8, qk._F16_R),

@@ -171,14 +171,18 @@ def test_matmul_rows_equal_matvec(t, rows):
 
 
 # (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
-# tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset
+# tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset, short last
+# chunks (K = 1280: 5 steps of 8 blocks, chunks of 4; K = 2304: the short chunk inside pass 0)
 MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200, 256, 33, 0),
-             (64, 96, 17, 0), (1024, 4096, 64, 0), (300, 8192, 45, 0), (70, 2048, 100, 4)]
+             (64, 96, 17, 0), (1024, 4096, 64, 0), (300, 8192, 45, 0), (70, 2048, 100, 4),
+             (1500, 1280, 70, 0), (600, 2304, 50, 0)]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("rows,Kd,n_tok,extra", MMA_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in MMA_CASES])
-def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra):
-    """The tensor-core Q8_0 matmul equals the dp4a matmul and the matvec bit for bit."""
+def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra, staged):
+    """The tensor-core Q8_0 matmuls (fragments from global memory, or staged in shared memory where
+    K is a multiple of 256 and the offset of 8) equal the dp4a matmul and the matvec bit for bit."""
     rng = _rng(60 + rows + n_tok)
     w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
     arena, (off,) = _arena([(w, extra)])
@@ -186,9 +190,11 @@ def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra):
     X[n_tok // 2] *= 40
     xq, xd, _, _ = _prepare(F.Q8_0, X)
     out = cuda.device_array((n_tok, rows), np.float32)
-    K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, out)
+    K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, out, staged=staged)
     got = out.copy_to_host()
-    want = _gpu_matmul(F.Q8_0, arena, off, rows, Kd, X)
+    dp4a = cuda.device_array((n_tok, rows), np.float32)
+    K._launch_q8_0(arena, [(off, rows)], Kd, n_tok, xq, xd, dp4a, 0, mma=False)
+    want = dp4a.copy_to_host()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
         f"max |Δ| {np.max(np.abs(got - want)):.3g} at {np.unravel_index(np.argmax(np.abs(got - want)), got.shape)}"
     for i in (0, n_tok // 2, n_tok - 1):
