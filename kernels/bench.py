@@ -558,8 +558,8 @@ def bench_tune_prefill(timer, rng, log):
     from . import cuda as CK
     cuda = _cuda()
     saved = (CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH)
-    variants = [(64, 16, 128, True), (64, 16, 128, False), (32, 32, 128, True), (32, 32, 0, True),
-                (32, 16, 128, True), (64, 32, 128, True), (64, 32, 0, True)]
+    variants = [(64, 16, 128, True), (64, 16, 128, False), (64, 16, 0, True), (32, 32, 128, True),
+                (32, 32, 0, True), (32, 16, 128, True), (64, 32, 0, True)]
     res = []
     try:
         for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, 2048), ("Q8_0 4096->1536", 1536, 4096, 512),

@@ -31,8 +31,8 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, imad, mma_s8,
-                              negate_bytes, pdl_enter)
+from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
+                              mma_s8, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -59,6 +59,7 @@ _ix = uint64
 
 _M8 = np.uint32(0xFF)
 _M16 = np.uint32(0xFFFF)
+_M32 = np.uint64(0xFFFFFFFF)
 _LOW2 = np.uint32(0x03030303)
 _LOW4 = np.uint32(0x0F0F0F0F)
 
@@ -576,7 +577,8 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     B_PER = TPW
     XD_N = TOKS * 8                  # activation scales of one step (at most one per thread)
     NT2 = 2 * NT
-    SA_N = ROWS * P
+    P32 = 2 * P                      # 32-bit words per staged weight row
+    SA_N = ROWS * P32
     SB_N = TOKS * P
     SXD_N = TOKS * 9
     COMB_N = 4 * HALF * 32
@@ -588,9 +590,9 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         8-byte word l; words 32 and 33 of the warp's rows in one more load, two lanes a row) and
         tokens w, w + 8, ... (256 bytes, word l); thread t one activation scale."""
         for m in range(RPW):
-            pa[m] = a64[_ix(rbase[warp + 8 * m] + 34 * st + lane)]
+            pa[m] = a64[_ix(rbase[_ix(warp + 8 * m)] + 34 * st + lane)]
         if lane < 2 * RPW:
-            pa[RPW] = a64[_ix(rbase[warp + 8 * (lane >> 1)] + 34 * st + 32 + (lane & 1))]
+            pa[RPW] = a64[_ix(rbase[_ix(warp + 8 * (lane >> 1))] + 34 * st + 32 + (lane & 1))]
         for m in range(TPW):
             tok = min(tok0 + warp + 8 * m, n_tok - 1)
             pb[m] = xq64[_ix(tok * (4 * nb) + 32 * st + lane)]
@@ -600,29 +602,29 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
     @_inline
     def store_step(sa, sb, sxd, warp, lane, tid, pa, pb, pd):
+        """The registers of load_step into shared memory: weight rows as 32-bit words (the
+        fragments are read at 2-byte offsets), activation rows as 8-byte words."""
         for m in range(RPW):
-            sa[(warp + 8 * m) * P + lane] = pa[m]
+            o = _ix((warp + 8 * m) * P32 + 2 * lane)
+            sa[o] = uint32(pa[m] & _M32)
+            sa[o + 1] = uint32(pa[m] >> uint64(32))
         if lane < 2 * RPW:
-            sa[(warp + 8 * (lane >> 1)) * P + 32 + (lane & 1)] = pa[RPW]
+            o = _ix((warp + 8 * (lane >> 1)) * P32 + 64 + 2 * (lane & 1))
+            sa[o] = uint32(pa[RPW] & _M32)
+            sa[o + 1] = uint32(pa[RPW] >> uint64(32))
         for m in range(TPW):
-            sb[(warp + 8 * m) * P + lane] = pb[m]
+            sb[_ix((warp + 8 * m) * P + lane)] = pb[m]
         if tid < XD_N:
-            sxd[(tid >> 3) * 9 + (tid & 7)] = pd[0]
+            sxd[_ix((tid >> 3) * 9 + (tid & 7))] = pd[0]
 
     @_inline
-    def frag8(sa, row, g, tig, sh):
-        """The 8 weight bytes of lane tig in block g of a staged row (2-byte aligned in the row:
-        two 8-byte shared loads and a funnel shift; sh = bit offset, warp-uniform)."""
-        wi = row * P + ((34 * g + 2) >> 3) + tig
-        w0 = sa[wi]
-        if sh == 0:
-            return w0
-        return (w0 >> uint64(sh)) | (sa[wi + 1] << uint64(64 - sh))
-
-    @_inline
-    def scale(sa, row, g):
-        word = sa[row * P + ((34 * g) >> 3)]
-        return f16_bits_to_f32(uint32(word >> uint64(16 * (g & 3))) & _M16)
+    def frag(sa, o, sh):
+        """The 8 weight bytes at 32-bit word o of the staged rows shifted right by sh bits (0 or
+        16: the quants of a block start 2 bytes into a word for even g): (low word, high word)."""
+        x0 = sa[_ix(o)]
+        x1 = sa[_ix(o + 1)]
+        x2 = sa[_ix(o + 2)]
+        return funnel_r(x0, x1, sh), funnel_r(x1, x2, sh)
 
     @_inline
     def meet(acc, comb, warp, lane, src_lo, n_src, e0):
@@ -630,11 +632,11 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         cuda.syncthreads()
         if warp >= src_lo and warp < src_lo + n_src:
             for i in range(HALF):
-                comb[((warp - src_lo) * HALF + i) * 32 + lane] = acc[e0 + i]
+                comb[_ix(((warp - src_lo) * HALF + i) * 32 + lane)] = acc[e0 + i]
         cuda.syncthreads()
         if warp < n_src:
             for i in range(HALF):
-                acc[e0 + i] = acc[e0 + i] + comb[(warp * HALF + i) * 32 + lane]
+                acc[e0 + i] = acc[e0 + i] + comb[_ix((warp * HALF + i) * 32 + lane)]
 
     @_inline
     def write_half(acc, e0, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w):
@@ -654,7 +656,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     def q8_0_rows_mma_staged(a64, row_w0, row_w, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld,
                              row_w0_b, rows_a):
         pdl_enter()
-        sa = cuda.shared.array(SA_N, uint64)
+        sa = cuda.shared.array(SA_N, uint32)
         sb = cuda.shared.array(SB_N, uint64)
         sxd = cuda.shared.array(SXD_N, float32)
         rbase = cuda.shared.array(ROWS, int64)
@@ -665,7 +667,10 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         gid = lane >> 2
         tig = lane & 3
         g = warp                                    # this warp's lane group: blocks b = g mod 8
-        sh = 8 * ((2 * g + 2) & 7)                  # bit offset of its quants in a staged word
+        q_word = (34 * g + 2) >> 2                  # where block g's quants start in a staged row
+        sh = 8 * ((34 * g + 2) & 3)                 # (32-bit word, bit offset: 16 for even g)
+        d_word = (34 * g) >> 2                      # and its f16 scale (low or high half)
+        d_sh = 16 * (g & 1)
         row0 = cuda.blockIdx.x * ROWS
         tok0 = cuda.blockIdx.y * TOKS
         if tid < ROWS:                      # where each staged row starts (uint64 words)
@@ -702,17 +707,18 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             bx = cuda.local.array(NT, uint64)
             xs = cuda.local.array(NT2, float32)
             for nt in range(NT):
-                bx[nt] = sb[(8 * nt + gid) * P + 4 * g + tig]
-                xs[2 * nt] = sxd[(8 * nt + 2 * tig) * 9 + g]
-                xs[2 * nt + 1] = sxd[(8 * nt + 2 * tig + 1) * 9 + g]
+                bx[nt] = sb[_ix((8 * nt + gid) * P + 4 * g + tig)]
+                xs[2 * nt] = sxd[_ix((8 * nt + 2 * tig) * 9 + g)]
+                xs[2 * nt + 1] = sxd[_ix((8 * nt + 2 * tig + 1) * 9 + g)]
             for mt in range(MT):
-                lo = frag8(sa, 16 * mt + gid, g, tig, sh)
-                hi = frag8(sa, 16 * mt + gid + 8, g, tig, sh)
-                wd_lo = scale(sa, 16 * mt + gid, g)
-                wd_hi = scale(sa, 16 * mt + gid + 8, g)
+                r_lo = (16 * mt + gid) * P32
+                r_hi = r_lo + 8 * P32
+                a0, a2 = frag(sa, r_lo + q_word + 2 * tig, sh)
+                a1, a3 = frag(sa, r_hi + q_word + 2 * tig, sh)
+                wd_lo = f16_bits_to_f32((sa[_ix(r_lo + d_word)] >> uint32(d_sh)) & _M16)
+                wd_hi = f16_bits_to_f32((sa[_ix(r_hi + d_word)] >> uint32(d_sh)) & _M16)
                 for nt in range(NT):
-                    c0, c1, c2, c3 = mma_s8(lo, hi, lo >> uint64(32), hi >> uint64(32),
-                                            bx[nt], bx[nt] >> uint64(32))
+                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx[nt], bx[nt] >> uint64(32))
                     e = 4 * (mt * NT + nt)
                     acc[e] = cuda.fma(wd_lo * xs[2 * nt], _exact_float(c0), acc[e])
                     acc[e + 1] = cuda.fma(wd_lo * xs[2 * nt + 1], _exact_float(c1), acc[e + 1])

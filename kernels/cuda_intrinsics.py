@@ -18,6 +18,8 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   permute of negate_bytes alone).
 * ``even_signs(bits7)``: IQ2_XXS's 8 sign bits from the 7 stored ones: bit 7 makes the count of
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
+* ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
+  PTX shf.r.wrap.b32): a word at a 2-byte offset from two aligned ones, in one instruction.
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -92,6 +94,10 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def pdl_enter():
         return None
+
+    def funnel_r(lo, hi, n):
+        v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
+        return np.uint32((v >> (int(n) & 31)) & 0xFFFFFFFF)
 
     def mul_rn(a, b):
         return np.float32(np.float32(a) * np.float32(b))
@@ -229,6 +235,19 @@ else:
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,
                             "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }")
+
+    @intrinsic
+    def funnel_r(typingctx, lo, hi, n):
+        if not all(isinstance(t, types.Integer) for t in (lo, hi, n)):
+            return None
+        sig = types.uint32(lo, hi, n)
+
+        def codegen(context, builder, signature, args):
+            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
+            return builder.call(ir.InlineAsm(fnty, "shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
+
+        return sig, codegen
 
     @intrinsic
     def pdl_enter(typingctx):

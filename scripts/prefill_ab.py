@@ -1,0 +1,64 @@
+"""Prefill speed of the flash preset (device-resident) with a kernels.cuda knob at each of several
+values, in one process, alternating (A B A B ...): the engine is loaded once, each value gets a
+warm-up (numba compiles at first launch), then each rep prefills the same tokens from position 0.
+
+    python3 scripts/prefill_ab.py --knob _MMA_STAGED --values 0,1 --tokens 2048 --reps 2
+"""
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/flash.gguf")
+    ap.add_argument("--knob", required=True, help="an attribute of ds4py.kernels.cuda")
+    ap.add_argument("--values", required=True, help="comma-separated ints")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+
+    from numba import cuda
+
+    from ds4py import synth
+    from ds4py.engine import open_engine
+    from ds4py.io.spec import open_model
+    from ds4py.kernels import cuda as CK
+    from ds4py.options import WeightOptions
+    from ds4py.tokenizer import Tokenizer
+
+    if not os.path.exists(args.model):
+        synth.build_model(args.model, "flash", "per-role", 0)
+    model = open_model(args.model)
+    engine = open_engine(model, WeightOptions(n_ctx=args.tokens + 64), progress=False).engine
+    tok = Tokenizer.from_gguf(model.file)
+    ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:40_000])[:args.tokens]
+    start = engine.snapshot()
+    values = [int(v) for v in args.values.split(",")]
+    if not hasattr(CK, args.knob):
+        raise SystemExit(f"ds4py.kernels.cuda has no {args.knob}")
+    saved = getattr(CK, args.knob)
+    rates = {v: [] for v in values}
+    try:
+        for v in values:                       # compile each value's kernels before any timing
+            setattr(CK, args.knob, type(saved)(v))
+            engine.restore(start)
+            engine.prefill(ids[:64])
+            cuda.synchronize()
+        for _ in range(args.reps):
+            for v in values:
+                setattr(CK, args.knob, type(saved)(v))
+                engine.restore(start)
+                cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.prefill(ids)
+                cuda.synchronize()
+                rates[v].append(len(ids) / (time.perf_counter() - t0))
+    finally:
+        setattr(CK, args.knob, saved)
+    for v in values:
+        print(f"{args.knob}={v}: prefill {len(ids)} tokens " + " ".join(f"{r:8.1f}" for r in rates[v]) + " tok/s")
+
+
+if __name__ == "__main__":
+    main()
