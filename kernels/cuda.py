@@ -546,8 +546,8 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
 # I2F at a quarter of the rate (4 conversions per MMA per lane would cap the kernel below the
 # tensor cores otherwise). Exact, so the same bits.
 
-_MMA_ST_ROWS = 64     # rows per block tile (4 MMA row tiles of 16)
-_MMA_ST_TOKS = 16     # tokens per block tile (2 MMA token tiles of 8)
+_MMA_ST_ROWS = 32     # rows per block tile (2 MMA row tiles of 16)
+_MMA_ST_TOKS = 32     # tokens per block tile (4 MMA token tiles of 8)
 _MMA_ST_REGS = 128    # register cap: two blocks of 256 threads per SM
 _MMA_ST_PREFETCH = True   # the next step's loads in flight during the MMAs (else after them)
 _MMA_ST_PAD = 36      # uint64 words per staged row (34 or 32 used): the 16 lanes of a half-warp's
