@@ -212,17 +212,13 @@ class CudaEngine:
         # small kernels of one fill the SMs the other leaves idle: "side" takes the attention
         # compressor, the KV row and the shared expert; "aux" the indexer and the routed experts'
         # input quantization (see _attention, _ffn_route); "hc" the HC post gates and Sinkhorn
-        # (_hc_pre), joined before the sublayer's HC post; "pf" the L2 prefetches of the decode
-        # step (_prefetch). The simulator has no events: there everything stays on the main
-        # stream, in order.
-        names = ("side", "aux", "hc", "pf") if self.use_graphs else ()
+        # (_hc_pre), joined before the sublayer's HC post. The simulator has no events: there
+        # everything stays on the main stream, in order.
+        names = ("side", "aux", "hc") if self.use_graphs else ()
         self.side_streams = {name: cuda.stream() for name in names}
         self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}
         self._open_branches: set[str] = set()
         self.arena = source.arena
-        # the decode graph prefetches the big dense matrices into L2 (a host-mapped arena is not
-        # device memory)
-        self.l2_prefetch = self.use_graphs and source.regime != "host-mapped"
         self.w16 = self.arena.view(np.float16)
         self.w32 = self.arena.view(np.float32)
         self.i32 = self.arena.view(np.int32)
@@ -437,7 +433,6 @@ class CudaEngine:
         ratio = layer.ratio
         T = b.T
         freqs = self.freqs_comp if ratio else self.freqs_dense
-        self._prefetch(b, p + "attn_q_b.weight", "pf_q_b")
         if self._on("hc"):
             self._hc_pre(b, p, "attn", p + "attn_norm.weight")
         # the indexer selects only once a token sees more than idx_topk rows; a prefill chunk
@@ -463,7 +458,6 @@ class CudaEngine:
                 self._indexer_select(b, il, freqs, pos0)
         if self._on("attn_proj"):
             self._q_b(b, il, freqs)
-        self._prefetch(b, p + "attn_output_a.weight", "pf_out_a")
         self._join()
         self._join("aux")
         if self._on("attention"):
@@ -479,21 +473,11 @@ class CudaEngine:
                 ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                     b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                     s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
-        self._prefetch(b, p + "attn_output_b.weight", "pf_out_b")
         post_done = False
         if self._on("attn_out"):
             post_done = self._attn_out(b, il)
-        self._join("pf")
         if self._on("hc"):
             self._hc_post(b, b.f_attn, b.zeros, self._next_fn(il, "attn"), done=post_done)
-
-    def _prefetch(self, b, name: str, subgroup: str) -> None:
-        """Decode graph: start bringing weight `name` into L2 on the "pf" branch, so the matvec
-        that reads it later finds it there (kernels.cuda.l2_prefetch; joined at the end of the
-        attention sublayer)."""
-        if b is self.buf and self.l2_prefetch and self._on(subgroup):
-            with self._branch("pf"):
-                qk.l2_prefetch(self.arena, self.off(name), self.info(name).nbytes, self.stream)
 
     def _q_a_kv(self, b, il: int, freqs):
         """q_a and kv projections (one launch), the KV row into the raw ring (side stream: only
@@ -926,11 +910,10 @@ class CudaEngine:
         self.restore(saved)
 
     GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
-              "shared", "head", "l2pf")
+              "shared", "head")
     # single launches inside a group, timed apart by profile() too: subgroup -> its group
     SUBGROUPS = {"hc_mix": "hc", "hc_pre": "hc", "hc_post": "hc", "q_norm": "attn_proj",
-                 "q_heads": "attn_proj", "combine": "attention", "route": "router",
-                 "pf_q_b": "l2pf", "pf_out_a": "l2pf", "pf_out_b": "l2pf"}
+                 "q_heads": "attn_proj", "combine": "attention", "route": "router"}
 
     def profile(self, token: int, reps: int = 20) -> dict:
         """Device ms per decode step with each group of launches left out in turn (METHOD.md:

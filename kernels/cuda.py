@@ -32,7 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              mma_s8, negate_bytes, pdl_enter, prefetch_l2)
+                              mma_s8, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -745,39 +745,6 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
     return q8_0_rows_mma_staged
 
-
-
-# ---- L2 prefetch ---------------------------------------------------------------------------------
-#
-# A 35 MB Q8_0 matvec of the decode step (q_b, out_a, out_b) runs at ~60 % of the copy bandwidth:
-# it is too short to ramp up. The kernels before it (attention, the norms) hardly touch DRAM, so
-# a one-instruction-per-piece bulk prefetch launched on a side branch when they start brings the
-# matrix into L2 (50 MB on the H200) and the matvec then reads it from there.
-
-_PF_PIECE = 1 << 15    # bytes per prefetch instruction (one thread each)
-
-
-@cuda.jit
-def _l2_prefetch_kernel(a8, off, nbytes):
-    pdl_enter()
-    start = cuda.grid(1) * _PF_PIECE
-    if start < nbytes:
-        prefetch_l2(a8, off + start, min(_PF_PIECE, nbytes - start))
-
-
-def l2_prefetch(arena, off, nbytes, stream=0):
-    """Start bringing arena[off:off + nbytes] into L2 and return (no effect on any output; the
-    range is trimmed to whole 16-byte units, as the instruction wants)."""
-    _, _, a8, _ = _arena_views(arena)
-    lo = (off + 15) // 16 * 16
-    n = (off + nbytes) // 16 * 16 - lo
-    if n <= 0:
-        return
-    if lo + n > a8.size:
-        raise ValueError("l2_prefetch: range runs past the end of the arena")
-    threads = 128
-    blocks = ((n + _PF_PIECE - 1) // _PF_PIECE + threads - 1) // threads
-    _l2_prefetch_kernel[blocks, threads, _stream(stream)](a8, lo, n)
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first

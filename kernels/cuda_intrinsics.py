@@ -20,10 +20,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
   PTX shf.r.wrap.b32): a word at a 2-byte offset from two aligned ones, in one instruction.
-* ``prefetch_l2(arr, off, nbytes)``: ask the copy engine of the SM to bring bytes off ..
-  off + nbytes of the 1-D device array arr into L2 (PTX cp.async.bulk.prefetch.L2, sm_90+; off
-  and nbytes multiples of 16 from a 16-byte aligned array). It returns at once: the lines arrive
-  while later kernels run. Nothing is emitted before sm_90.
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -97,9 +93,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         return np.int32(b | ((bin(b).count("1") & 1) << 7))
 
     def pdl_enter():
-        return None
-
-    def prefetch_l2(arr, off, nbytes):
         return None
 
     def funnel_r(lo, hi, n):
@@ -253,27 +246,6 @@ else:
             vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
             fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
             return builder.call(ir.InlineAsm(fnty, "shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, off, nbytes):
-        if not (isinstance(arr, types.Array) and isinstance(off, types.Integer)
-                and isinstance(nbytes, types.Integer)):
-            return None
-        sig = types.void(arr, off, nbytes)
-
-        def codegen(context, builder, signature, args):
-            if _pdl_supported():
-                data = context.make_array(signature.args[0])(context, builder, args[0]).data
-                base = builder.ptrtoint(data, ir.IntType(64))
-                addr = builder.add(base, context.cast(builder, args[1], signature.args[1], types.int64))
-                n = context.cast(builder, args[2], signature.args[2], types.int32)
-                fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-                asm = ("{ .reg .u64 g; cvta.to.global.u64 g, $0; "
-                       "cp.async.bulk.prefetch.L2.global [g], $1; }")
-                builder.call(ir.InlineAsm(fnty, asm, "l,r", side_effect=True), [addr, n])
-            return context.get_dummy_value()
 
         return sig, codegen
 

@@ -131,16 +131,6 @@ def test_hc_post_epilogues_change_no_bit(model):
             f"pos {pos}: max |Δ| {np.max(np.abs(fused[pos] - plain[pos])):.3g}"
 
 
-def test_l2_prefetch_changes_no_bit(model):
-    """The decode step's L2 prefetches (a side branch that only asks for weights to be cached)
-    leave the logits exactly as they are without them."""
-    tokens = _tokens(6, seed=19)
-    with_pf = _decode_configured(model, tokens, lambda engine: None)
-    without = _decode_configured(model, tokens, lambda engine: setattr(engine, "l2_prefetch", False))
-    for pos in range(len(tokens)):
-        assert np.array_equal(with_pf[pos], without[pos]), f"pos {pos}"
-
-
 def test_side_streams_change_no_bit(model):
     """The decode step's side branches ("side", "aux", "hc", ...: launches forked from the main
     stream and joined back with events) give the logits of the same launches all on the main
