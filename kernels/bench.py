@@ -588,6 +588,29 @@ def bench_tune_prefill(timer, rng, log):
                     + ("" if same else "  DIFFERENT BITS"))
     finally:
         CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = saved
+    # the F16 matmul: split-K warps (_f16_kernel) or one warp over the whole row (_f16_full_kernel)
+    saved_full = CK._F16_FULL
+    try:
+        for name, rows, K, n in (("F16 4096->1024", 1024, 4096, 512), ("F16 4096->256", 256, 4096, 512),
+                                 ("F16 4096->2048", 2048, 4096, 512), ("F16 1024->4096", 4096, 1024, 512)):
+            arena = Arena(rows * F.row_bytes(F.F16, K) + 4096, seed=3)
+            off = arena.place(F.F16, rows, K)
+            act = _Act(F.F16, n, K, rng)
+            out = cuda.device_array((n, rows), np.float32)
+            want = None
+            for full in (False, True):
+                CK._F16_FULL = full
+                ms = timer.time_eager(lambda s: _launch_matmul(F.F16, arena.buf, off, rows, K, n, act, out, s))
+                got = out.copy_to_host()
+                want = got if want is None else want
+                same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+                label = "one warp per row group" if full else "split-K warps"
+                tf = 2 * n * rows * K / (ms * 1e-3) / 1e12
+                res.append(dict(name=f"matmul {name} x{n}", variant=label, ms=ms, TFLOPS=tf, same_bits=same))
+                log(f"  {name + ' x' + str(n):24s} {label:36s} {ms:8.3f} ms {tf:7.2f} TFLOPS"
+                    + ("" if same else "  DIFFERENT BITS"))
+    finally:
+        CK._F16_FULL = saved_full
     return res
 
 

@@ -747,17 +747,15 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
+_F16_FULL = True   # the prefill F16 matmul: one warp per R rows over the whole K (_f16_full_kernel)
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
 
 
-def _f16_kernel(S, T, R=1):
-    """F16 x f32: a lane takes one pair of weights (one uint32) per step of each of the warp's R
-    rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
-    steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
-    only changes how often an activation is loaded: once per R rows."""
-    RPB = _NW_DENSE // S   # row groups per block
-    RT = R * T
-    finish = _make_finish(S, T)
+def _make_f16_step(R, T):
+    """One step of an F16 row: a lane takes one pair of weights (one uint32) of each of R rows and
+    fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same steps in
+    the same order whatever R and T are (the per-row order of R = 1, the decode matvec), so R only
+    changes how often an activation is loaded: once per R rows."""
 
     @_inline
     def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
@@ -773,6 +771,17 @@ def _f16_kernel(S, T, R=1):
                     for r in range(R):
                         acc[r * T + tt] = cuda.fma(w0[r], xv.real, acc[r * T + tt])
                         acc[r * T + tt] = cuda.fma(w1[r], xv.imag, acc[r * T + tt])
+
+    return step_fn
+
+
+def _f16_kernel(S, T, R=1):
+    """F16 x f32 rows, R rows and T tokens per group of S warps (split-K): the decode matvec and
+    the reference order of every F16 product (_make_f16_step)."""
+    RPB = _NW_DENSE // S   # row groups per block
+    RT = R * T
+    finish = _make_finish(S, T)
+    step_fn = _make_f16_step(R, T)
 
     @cuda.jit
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
@@ -837,6 +846,71 @@ def _f16_kernel(S, T, R=1):
 
     return f16_rows
 
+
+
+def _f16_full_kernel(S, T, R):
+    """F16 matmul (prefill) with the matvec's numbers: one warp takes R rows x T tokens over the
+    whole row, walking the S split-K passes of _f16_kernel one after the other (pass w: steps w,
+    w + S, ...). After each pass the 32 lane sums of every output meet in the butterfly's tree
+    (lane 0's sum after xor 16, 8, 4, 2, 1), computed by one lane per output from shared memory
+    instead of 5 shuffles per output in every lane, and the passes are added in warp order: the
+    bits of _f16_kernel, without its S-warp split. With S = 8 (rows < 2048) each warp of the
+    split kernel did 8 steps and then a reduction as long as its work."""
+    RT = R * T
+    assert RT == WARP, "one output per lane in the tree"
+    TS = WARP + 1                     # padded row of the tree buffer: conflict-free both ways
+    TREE = _NW_DENSE * RT * TS
+    step_fn = _make_f16_step(R, T)
+
+    @cuda.jit
+    def f16_rows_full(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
+        pdl_enter()
+        tree = cuda.shared.array(TREE, float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        row_first = (cuda.blockIdx.x * _NW_DENSE + warp) * R
+        tok0 = cuda.blockIdx.y * T
+        if row_first >= rows:                        # warp-uniform; no block barrier below
+            return
+        acc = cuda.local.array(RT, float32)
+        wrow = cuda.local.array(R, int64)
+        w0 = cuda.local.array(R, float32)
+        w1 = cuda.local.array(R, float32)
+        lv = cuda.local.array(16, float32)
+        for r in range(R):
+            row = min(row_first + r, rows - 1)       # rows past the end repeat the last (not written)
+            wrow[r] = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
+        nfull = npairs >> 5
+        my_row = row_first + lane // T               # the output this lane reduces and writes
+        my_tok = tok0 + lane % T
+        base = warp * RT * TS
+        for w in range(S):
+            for i in range(RT):
+                acc[i] = float32(0.0)
+            for step in range(w, nfull, S):
+                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
+            if (npairs & 31) != 0 and nfull % S == w:
+                p = nfull * WARP + lane
+                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc, w0, w1)
+            cuda.syncwarp()                          # the last pass's tree is read
+            for i in range(RT):
+                tree[_ix(base + i * TS + lane)] = acc[i]
+            cuda.syncwarp()
+            o = base + lane * TS
+            for j in range(16):
+                lv[j] = tree[_ix(o + j)] + tree[_ix(o + j + 16)]
+            for j in range(8):
+                lv[j] = lv[j] + lv[j + 8]
+            for j in range(4):
+                lv[j] = lv[j] + lv[j + 4]
+            for j in range(2):
+                lv[j] = lv[j] + lv[j + 2]
+            v = lv[0] + lv[1]
+            if my_row < rows and my_tok < n_tok:
+                oi = _ix(my_tok * out_ld + my_row)
+                out[oi] = v if w == 0 else out[oi] + v       # the split order of _make_finish
+
+    return f16_rows_full
 
 def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
@@ -958,6 +1032,13 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
     T = _tok_tile(n_tok)
     R = 1 if n_tok == 1 else _F16_R
+    if n_tok > 1 and _F16_FULL:
+        kernel = _cached(("f16_full", S, T, R), lambda: _f16_full_kernel(S, T, R))
+        grid = ((rows + R * _NW_DENSE - 1) // (R * _NW_DENSE), (n_tok + T - 1) // T)
+        kernel[grid, _NW_DENSE * WARP, _stream(stream)](
+            a32, off_a // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows,
+            off_b // 4, rows_a if len(parts) > 1 else rows)
+        return
     kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))
     grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](

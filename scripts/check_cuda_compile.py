@@ -90,6 +90,7 @@ quant = {
                                          f16_rows),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
                                    f16_rows),
+ "f16_rows_full (prefill, 8 passes)": (lambda: qk._f16_full_kernel(8, 8, qk._F16_R), f16_rows),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._NW_DOWN, qk._REGS_DOWN),
                           (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
