@@ -1764,11 +1764,12 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
 
 
 _MMA_HALVES_DN = 2   # 8-pair MMA columns per down tile (as _MMA_HALVES_GU)
+_MOE_GU_SHARED_B = True   # gate and up of a tile in one pass (one activation load for both)
 _MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 pairs decodes each
                      # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
 
 
-def _moe_gate_up_tiles_mma_kernel(NH):
+def _moe_gate_up_tiles_mma_kernel(NH, shared_b=None):
     """Prefill gate/up for IQ2_XXS experts on the int8 tensor cores: a warp takes 16 rows x one
     tile of <= 8·NH pairs (NH MMA column halves of 8 pairs). Per super-block, 8 x NH MMAs (one per
     32-weight sub-block and half; the thread decodes its A bytes from the grid and sign tables once
@@ -1780,6 +1781,8 @@ def _moe_gate_up_tiles_mma_kernel(NH):
     TILE = 8 * NH
     NACC = 32 * NH
     NB = 4 * NH
+    NB2 = 2 * NB
+    SHARED_B = _MOE_GU_SHARED_B if shared_b is None else shared_b
 
     @cuda.jit
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
@@ -1816,10 +1819,65 @@ def _moe_gate_up_tiles_mma_kernel(NH):
         for e in range(NACC):
             acc[e] = float32(0.0)
         bsum = cuda.local.array(NB, int32)
+        bsum2 = cuda.local.array(NB2, int32)                  # [gate/up][h][4] (SHARED_B)
         for sb0 in range(0, nsb, 4):
             for q in range(4):                     # q = sb % 4: constant accumulator indices
                 sb = sb0 + q
                 if sb >= nsb:
+                    continue
+                if SHARED_B:
+                    # gate and up in one pass over the sub-blocks: each activation fragment and
+                    # scale is loaded once for both (the same integer sums, the same f32 updates
+                    # of each sum in the same super-block order)
+                    hg_lo = (tile_off[tile * 3] + r_lo * rb) // 2 + 33 * sb
+                    hg_hi = (tile_off[tile * 3] + r_hi * rb) // 2 + 33 * sb
+                    hu_lo = (tile_off[tile * 3 + 1] + r_lo * rb) // 2 + 33 * sb
+                    hu_hi = (tile_off[tile * 3 + 1] + r_hi * rb) // 2 + 33 * sb
+                    for e in range(NB2):
+                        bsum2[e] = int32(0)
+                    for j in range(8):
+                        g0, g2 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hg_lo + 1 + 4 * j),
+                                            _u16pair(a16, hg_lo + 3 + 4 * j), tig)
+                        g1, g3 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hg_hi + 1 + 4 * j),
+                                            _u16pair(a16, hg_hi + 3 + 4 * j), tig)
+                        u0, u2 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hu_lo + 1 + 4 * j),
+                                            _u16pair(a16, hu_lo + 3 + 4 * j), tig)
+                        u1, u3 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hu_hi + 1 + 4 * j),
+                                            _u16pair(a16, hu_hi + 3 + 4 * j), tig)
+                        lsg_lo = imad(bfe(_u16pair(a16, hg_lo + 3 + 4 * j), 28, 4), 2, 1)
+                        lsg_hi = imad(bfe(_u16pair(a16, hg_hi + 3 + 4 * j), 28, 4), 2, 1)
+                        lsu_lo = imad(bfe(_u16pair(a16, hu_lo + 3 + 4 * j), 28, 4), 2, 1)
+                        lsu_hi = imad(bfe(_u16pair(a16, hu_hi + 3 + 4 * j), 28, 4), 2, 1)
+                        for h in range(NH):
+                            if h < halves:                 # warp-uniform
+                                bx = xq64[_ix(tok_b[h] * words + 32 * sb + 4 * j + tig)]
+                                c0, c1, c2, c3 = mma_s8(g0, g1, g2, g3, bx, bx >> 32)
+                                bsum2[4 * h] = imad(c0, lsg_lo, bsum2[4 * h])
+                                bsum2[4 * h + 1] = imad(c1, lsg_lo, bsum2[4 * h + 1])
+                                bsum2[4 * h + 2] = imad(c2, lsg_hi, bsum2[4 * h + 2])
+                                bsum2[4 * h + 3] = imad(c3, lsg_hi, bsum2[4 * h + 3])
+                                c0, c1, c2, c3 = mma_s8(u0, u1, u2, u3, bx, bx >> 32)
+                                bsum2[NB + 4 * h] = imad(c0, lsu_lo, bsum2[NB + 4 * h])
+                                bsum2[NB + 4 * h + 1] = imad(c1, lsu_lo, bsum2[NB + 4 * h + 1])
+                                bsum2[NB + 4 * h + 2] = imad(c2, lsu_hi, bsum2[NB + 4 * h + 2])
+                                bsum2[NB + 4 * h + 3] = imad(c3, lsu_hi, bsum2[NB + 4 * h + 3])
+                    dg_lo = f16_bits_to_f32(a16[_ix(hg_lo)])
+                    dg_hi = f16_bits_to_f32(a16[_ix(hg_hi)])
+                    du_lo = f16_bits_to_f32(a16[_ix(hu_lo)])
+                    du_hi = f16_bits_to_f32(a16[_ix(hu_hi)])
+                    for h in range(NH):
+                        xd0 = xd[_ix(tok_c0[h] * nsb + sb)]
+                        xd1 = xd[_ix(tok_c1[h] * nsb + sb)]
+                        e = 32 * h + 4 * q
+                        acc[e] = cuda.fma(dg_lo * xd0, float32(bsum2[4 * h]), acc[e])
+                        acc[e + 1] = cuda.fma(dg_lo * xd1, float32(bsum2[4 * h + 1]), acc[e + 1])
+                        acc[e + 2] = cuda.fma(dg_hi * xd0, float32(bsum2[4 * h + 2]), acc[e + 2])
+                        acc[e + 3] = cuda.fma(dg_hi * xd1, float32(bsum2[4 * h + 3]), acc[e + 3])
+                        e = 32 * h + 16 + 4 * q
+                        acc[e] = cuda.fma(du_lo * xd0, float32(bsum2[NB + 4 * h]), acc[e])
+                        acc[e + 1] = cuda.fma(du_lo * xd1, float32(bsum2[NB + 4 * h + 1]), acc[e + 1])
+                        acc[e + 2] = cuda.fma(du_hi * xd0, float32(bsum2[NB + 4 * h + 2]), acc[e + 2])
+                        acc[e + 3] = cuda.fma(du_hi * xd1, float32(bsum2[NB + 4 * h + 3]), acc[e + 3])
                     continue
                 for m in range(2):                 # gate, up
                     h_lo = (tile_off[tile * 3 + m] + r_lo * rb) // 2 + 33 * sb
@@ -2376,7 +2434,8 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu:
-        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
+        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU, _MOE_GU_SHARED_B),
+                     lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
         _tile_launch(gu, n_ff, gu_tiles, True, s)(
             a16, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)

@@ -98,8 +98,10 @@ quant = {
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
  "moe_gate_up_tiles_mma IQ2_XXS (8-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(1),
                                    gu_mma),
- "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2),
+ "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2, False),
                                    gu_mma),
+ "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles, gate and up in one pass)": (
+     lambda: qk._moe_gate_up_tiles_mma_kernel(2, True), gu_mma),
  "moe_down_tiles_mma Q2_K (8-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(1),
                                             dn_mma),
  "moe_down_tiles_mma Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(2),

@@ -170,6 +170,27 @@ def test_matmul_rows_equal_matvec(t, rows):
         assert np.array_equal(Y[i], y1), f"token {i}"
 
 
+# (rows, K, tokens): split-K S = 8, 4, 2, 1, a K whose pairs are not a multiple of 32 (the tail
+# step), short row groups and token tiles
+F16_CASES = [(1024, 4096, 40), (2100, 1000, 17), (4100, 2048, 9), (8200, 256, 33), (37, 4096, 70), (3, 96, 5)]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["split-K", "full-row"])
+@pytest.mark.parametrize("rows,Kd,n_tok", F16_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}" for c in F16_CASES])
+def test_f16_matmul_equals_matvec(rows, Kd, n_tok, full, monkeypatch):
+    """Both F16 prefill kernels (split-K warps, one warp over the whole row) give every token the
+    matvec's bits."""
+    monkeypatch.setattr(K, "_F16_FULL", full)
+    rng = _rng(80 + rows + Kd)
+    w = TD.random_weights(F.F16, (rows, Kd), rng)
+    arena, (off,) = _arena([w])
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    Y = _gpu_matmul(F.F16, arena, off, rows, Kd, X)
+    for i in sorted({0, n_tok // 2, n_tok - 1}):
+        y1 = _gpu_matmul(F.F16, arena, off, rows, Kd, X[i:i + 1], single=True)[0]
+        assert np.array_equal(Y[i], y1), f"token {i}: max |Δ| {np.max(np.abs(Y[i] - y1)):.3g}"
+
+
 # (rows, K, tokens, extra offset): every split-K regime (S = 8, 4, 2, 1), short row and token
 # tiles, a K with fewer than 8 blocks (empty lane groups), a 2-mod-4 weight offset, short last
 # chunks (K = 1280: 5 steps of 8 blocks, chunks of 4; K = 2304: the short chunk inside pass 0)
@@ -324,8 +345,12 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "tensor-cores"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, grouping):
+@pytest.mark.parametrize("mma", [False, True, "one-pass"], ids=["dp4a", "tensor-cores", "tensor-cores-one-pass"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, grouping, monkeypatch):
+    """moe_prefill's tokens equal moe_decode's bit for bit: dp4a tiles, tensor-core tiles with gate
+    then up, and with gate and up in one pass (_MOE_GU_SHARED_B)."""
+    monkeypatch.setattr(K, "_MOE_GU_SHARED_B", mma == "one-pass")
+    mma = bool(mma)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
