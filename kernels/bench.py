@@ -11,7 +11,6 @@ generated on the GPU (random bytes, sane f16 scales), activations random normal.
 
 import json
 import math
-import os
 import time
 
 import numpy as np
@@ -552,16 +551,15 @@ def bench_tune(timer, copy_bw, rng, log, moe):
     return res
 
 
-def bench_tune_prefill(timer, rng, log, moe):
+def bench_tune_prefill(timer, rng, log):
     """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps and prefetch against
     the direct kernel, at the engine's prefill shapes; every variant's output must equal the direct
     kernel's bit for bit (a mismatch is logged and recorded)."""
     from . import cuda as CK
     cuda = _cuda()
     saved = (CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH)
-    variants = [saved] if os.environ.get("TUNE_PREFILL_QUICK") else [
-        (64, 16, 128, True), (64, 16, 128, False), (64, 16, 0, True), (32, 32, 128, True),
-        (32, 32, 0, True), (32, 16, 128, True), (64, 32, 0, True)]
+    variants = [(64, 16, 128, True), (64, 16, 128, False), (64, 16, 0, True), (32, 32, 128, True),
+                (32, 32, 0, True), (32, 16, 128, True), (64, 32, 0, True)]
     res = []
     try:
         for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, 2048), ("Q8_0 4096->1536", 1536, 4096, 512),
@@ -590,69 +588,7 @@ def bench_tune_prefill(timer, rng, log, moe):
                     + ("" if same else "  DIFFERENT BITS"))
     finally:
         CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = saved
-    # the F16 matmul: split-K warps (_f16_kernel) or one warp over the whole row (_f16_full_kernel)
-    saved_full = CK._F16_FULL
-    try:
-        for name, rows, K, n in (("F16 4096->1024", 1024, 4096, 512), ("F16 4096->256", 256, 4096, 512),
-                                 ("F16 4096->2048", 2048, 4096, 512), ("F16 1024->4096", 4096, 1024, 512)):
-            arena = Arena(rows * F.row_bytes(F.F16, K) + 4096, seed=3)
-            off = arena.place(F.F16, rows, K)
-            act = _Act(F.F16, n, K, rng)
-            out = cuda.device_array((n, rows), np.float32)
-            want = None
-            for full in (False, True):
-                CK._F16_FULL = full
-                ms = timer.time_eager(lambda s: _launch_matmul(F.F16, arena.buf, off, rows, K, n, act, out, s))
-                got = out.copy_to_host()
-                want = got if want is None else want
-                same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
-                label = "one warp per row group" if full else "split-K warps"
-                tf = 2 * n * rows * K / (ms * 1e-3) / 1e12
-                res.append(dict(name=f"matmul {name} x{n}", variant=label, ms=ms, TFLOPS=tf, same_bits=same))
-                log(f"  {name + ' x' + str(n):24s} {label:36s} {ms:8.3f} ms {tf:7.2f} TFLOPS"
-                    + ("" if same else "  DIFFERENT BITS"))
-    finally:
-        CK._F16_FULL = saved_full
-    _choose(res, "_F16_FULL", lambda r: r["name"].startswith("matmul F16"),
-            lambda r: r["variant"] == "one warp per row group", log)
-    # the routed MoE prefill's gate/up tiles: gate and up in one pass, or one after the other
-    n_tok = 512
-    X = cuda.to_device(rng.standard_normal((n_tok, moe["n_embd"])).astype(np.float32))
-    ids = np.stack([rng.choice(moe["n_exp"], 6, replace=False) for _ in range(n_tok)]).astype(np.int32)
-    rw = cuda.to_device(rng.uniform(0.05, 0.5, (n_tok, 6)).astype(np.float32))
-    out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
-    table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
-                       moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
-    args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
-            X, ids, rw, 10.0, out)
-    saved_b = CK._MOE_GU_SHARED_B
-    want = None
-    try:
-        for shared in (False, True, False, True):
-            CK._MOE_GU_SHARED_B = shared
-            ms = timer.time_eager(lambda s: CK.moe_prefill(*args[:-1], args[-1], s))
-            got = out.copy_to_host()
-            want = got if want is None else want
-            same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
-            label = "gate and up in one pass" if shared else "gate, then up"
-            res.append(dict(name=f"MoE prefill {n_tok} tok", variant=label, ms=ms, same_bits=same))
-            log(f"  {'MoE prefill ' + str(n_tok) + ' tok':24s} {label:36s} {ms:8.3f} ms"
-                + ("" if same else "  DIFFERENT BITS"))
-    finally:
-        CK._MOE_GU_SHARED_B = saved_b
-    _choose(res, "_MOE_GU_SHARED_B", lambda r: r["name"].startswith("MoE prefill"),
-            lambda r: r["variant"] == "gate and up in one pass", log)
     return res
-
-
-def _choose(res, knob, picks, is_new, log):
-    """Log `CHOICE knob=True|False`: True when the variant is_new selects has the smaller total
-    time over the results `picks` selects and gave the same bits everywhere."""
-    rows = [r for r in res if picks(r)]
-    new = sum(r["ms"] for r in rows if is_new(r))
-    old = sum(r["ms"] for r in rows if not is_new(r))
-    ok = all(r.get("same_bits", True) for r in rows)
-    log(f"CHOICE {knob}={ok and new < old}  (new {new:.3f} ms, old {old:.3f} ms, same bits: {ok})")
 
 
 def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
@@ -671,7 +607,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune", "tune_moe", "tune_prefill"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune", "tune_moe"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -683,7 +619,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
-        res["tune_prefill"] = bench_tune_prefill(timer, rng, log, moe)
+        res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

@@ -533,11 +533,16 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
 #
 # The kernel above reads every A and B fragment straight from global memory: 16-bit weight loads
 # from 8 rows 34 bytes apart, the activations 8 tokens apart, a scale load per (row, block) and per
-# (token, block), so ncu showed it L1-bound at 35 TOPS (8 % of the issue slots used). This one
-# stages each step of 8 blocks (272 bytes of each of 64 rows, 256 bytes and 8 scales of each of 16
-# tokens) in shared memory with coalesced 8-byte loads, the next step's loads in flight in
-# registers while the warps compute the current one, and each warp now covers 64 rows x 32 tokens
-# (16 MMAs per staged step: every B fragment feeds 4 row tiles, every A fragment 4 token tiles).
+# (token, block); ncu (H200, 4096->2048 x 2048 tokens) counted ~100 instructions per MMA at 1.9
+# IPC. This one stages each step of 8 blocks (272 bytes of each of 32 rows, 256 bytes and 8 scales
+# of each of 32 tokens) in shared memory with coalesced 8-byte loads, the next step's loads in
+# flight in registers while the warps compute the current one; each warp covers the 32 x 32 tile
+# for its lane group (8 MMAs per staged step: every A fragment feeds 4 token tiles, every B
+# fragment 2 row tiles), shared-memory indices are unsigned (numba's negative-index wraparound
+# was ~5 instructions per access) and the weight words come from two funnel shifts, no branch.
+# kbench (session 12): 4096->2048 x 2048 1.175 -> 0.78 ms, 1024->32768 x 512 0.835 -> 0.634,
+# 8192->4096 x 512 0.854 -> 0.573, 4096->1536 x 512 0.29 -> 0.23. Tiles of 64 x 16 and 64 x 32
+# and other register caps were slower or spilled (tune_prefill).
 # The f32 arithmetic per output is the kernel above's (warp g adds lane group g's blocks in the
 # same order, the same butterfly, the same split-K order), so the outputs are the same bits.
 #
@@ -747,15 +752,17 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
-_F16_FULL = True   # the prefill F16 matmul: one warp per R rows over the whole K (_f16_full_kernel)
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
 
 
-def _make_f16_step(R, T):
-    """One step of an F16 row: a lane takes one pair of weights (one uint32) of each of R rows and
-    fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same steps in
-    the same order whatever R and T are (the per-row order of R = 1, the decode matvec), so R only
-    changes how often an activation is loaded: once per R rows."""
+def _f16_kernel(S, T, R=1):
+    """F16 x f32: a lane takes one pair of weights (one uint32) per step of each of the warp's R
+    rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
+    steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
+    only changes how often an activation is loaded: once per R rows."""
+    RPB = _NW_DENSE // S   # row groups per block
+    RT = R * T
+    finish = _make_finish(S, T)
 
     @_inline
     def step_fn(a32, wrow, p, valid, x64, npairs, tok0, n_tok, acc, w0, w1):
@@ -771,17 +778,6 @@ def _make_f16_step(R, T):
                     for r in range(R):
                         acc[r * T + tt] = cuda.fma(w0[r], xv.real, acc[r * T + tt])
                         acc[r * T + tt] = cuda.fma(w1[r], xv.imag, acc[r * T + tt])
-
-    return step_fn
-
-
-def _f16_kernel(S, T, R=1):
-    """F16 x f32 rows, R rows and T tokens per group of S warps (split-K): the decode matvec and
-    the reference order of every F16 product (_make_f16_step)."""
-    RPB = _NW_DENSE // S   # row groups per block
-    RT = R * T
-    finish = _make_finish(S, T)
-    step_fn = _make_f16_step(R, T)
 
     @cuda.jit
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
@@ -846,71 +842,6 @@ def _f16_kernel(S, T, R=1):
 
     return f16_rows
 
-
-
-def _f16_full_kernel(S, T, R):
-    """F16 matmul (prefill) with the matvec's numbers: one warp takes R rows x T tokens over the
-    whole row, walking the S split-K passes of _f16_kernel one after the other (pass w: steps w,
-    w + S, ...). After each pass the 32 lane sums of every output meet in the butterfly's tree
-    (lane 0's sum after xor 16, 8, 4, 2, 1), computed by one lane per output from shared memory
-    instead of 5 shuffles per output in every lane, and the passes are added in warp order: the
-    bits of _f16_kernel, without its S-warp split. With S = 8 (rows < 2048) each warp of the
-    split kernel did 8 steps and then a reduction as long as its work."""
-    RT = R * T
-    assert RT == WARP, "one output per lane in the tree"
-    TS = WARP + 1                     # padded row of the tree buffer: conflict-free both ways
-    TREE = _NW_DENSE * RT * TS
-    step_fn = _make_f16_step(R, T)
-
-    @cuda.jit
-    def f16_rows_full(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
-        pdl_enter()
-        tree = cuda.shared.array(TREE, float32)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        row_first = (cuda.blockIdx.x * _NW_DENSE + warp) * R
-        tok0 = cuda.blockIdx.y * T
-        if row_first >= rows:                        # warp-uniform; no block barrier below
-            return
-        acc = cuda.local.array(RT, float32)
-        wrow = cuda.local.array(R, int64)
-        w0 = cuda.local.array(R, float32)
-        w1 = cuda.local.array(R, float32)
-        lv = cuda.local.array(16, float32)
-        for r in range(R):
-            row = min(row_first + r, rows - 1)       # rows past the end repeat the last (not written)
-            wrow[r] = _pair_row(row, rows_a, row_w0, row_w0_b, row_w)
-        nfull = npairs >> 5
-        my_row = row_first + lane // T               # the output this lane reduces and writes
-        my_tok = tok0 + lane % T
-        base = warp * RT * TS
-        for w in range(S):
-            for i in range(RT):
-                acc[i] = float32(0.0)
-            for step in range(w, nfull, S):
-                step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
-            if (npairs & 31) != 0 and nfull % S == w:
-                p = nfull * WARP + lane
-                step_fn(a32, wrow, p, p < npairs, x64, npairs, tok0, n_tok, acc, w0, w1)
-            cuda.syncwarp()                          # the last pass's tree is read
-            for i in range(RT):
-                tree[_ix(base + i * TS + lane)] = acc[i]
-            cuda.syncwarp()
-            o = base + lane * TS
-            for j in range(16):
-                lv[j] = tree[_ix(o + j)] + tree[_ix(o + j + 16)]
-            for j in range(8):
-                lv[j] = lv[j] + lv[j + 8]
-            for j in range(4):
-                lv[j] = lv[j] + lv[j + 4]
-            for j in range(2):
-                lv[j] = lv[j] + lv[j + 2]
-            v = lv[0] + lv[1]
-            if my_row < rows and my_tok < n_tok:
-                oi = _ix(my_tok * out_ld + my_row)
-                out[oi] = v if w == 0 else out[oi] + v       # the split order of _make_finish
-
-    return f16_rows_full
 
 def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
@@ -1032,13 +963,6 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
     T = _tok_tile(n_tok)
     R = 1 if n_tok == 1 else _F16_R
-    if n_tok > 1 and _F16_FULL:
-        kernel = _cached(("f16_full", S, T, R), lambda: _f16_full_kernel(S, T, R))
-        grid = ((rows + R * _NW_DENSE - 1) // (R * _NW_DENSE), (n_tok + T - 1) // T)
-        kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-            a32, off_a // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows,
-            off_b // 4, rows_a if len(parts) > 1 else rows)
-        return
     kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))
     grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
@@ -1764,12 +1688,11 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
 
 
 _MMA_HALVES_DN = 2   # 8-pair MMA columns per down tile (as _MMA_HALVES_GU)
-_MOE_GU_SHARED_B = True   # gate and up of a tile in one pass (one activation load for both)
 _MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 pairs decodes each
                      # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
 
 
-def _moe_gate_up_tiles_mma_kernel(NH, shared_b=None):
+def _moe_gate_up_tiles_mma_kernel(NH):
     """Prefill gate/up for IQ2_XXS experts on the int8 tensor cores: a warp takes 16 rows x one
     tile of <= 8·NH pairs (NH MMA column halves of 8 pairs). Per super-block, 8 x NH MMAs (one per
     32-weight sub-block and half; the thread decodes its A bytes from the grid and sign tables once
@@ -1781,8 +1704,6 @@ def _moe_gate_up_tiles_mma_kernel(NH, shared_b=None):
     TILE = 8 * NH
     NACC = 32 * NH
     NB = 4 * NH
-    NB2 = 2 * NB
-    SHARED_B = _MOE_GU_SHARED_B if shared_b is None else shared_b
 
     @cuda.jit
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
@@ -1819,65 +1740,10 @@ def _moe_gate_up_tiles_mma_kernel(NH, shared_b=None):
         for e in range(NACC):
             acc[e] = float32(0.0)
         bsum = cuda.local.array(NB, int32)
-        bsum2 = cuda.local.array(NB2, int32)                  # [gate/up][h][4] (SHARED_B)
         for sb0 in range(0, nsb, 4):
             for q in range(4):                     # q = sb % 4: constant accumulator indices
                 sb = sb0 + q
                 if sb >= nsb:
-                    continue
-                if SHARED_B:
-                    # gate and up in one pass over the sub-blocks: each activation fragment and
-                    # scale is loaded once for both (the same integer sums, the same f32 updates
-                    # of each sum in the same super-block order)
-                    hg_lo = (tile_off[tile * 3] + r_lo * rb) // 2 + 33 * sb
-                    hg_hi = (tile_off[tile * 3] + r_hi * rb) // 2 + 33 * sb
-                    hu_lo = (tile_off[tile * 3 + 1] + r_lo * rb) // 2 + 33 * sb
-                    hu_hi = (tile_off[tile * 3 + 1] + r_hi * rb) // 2 + 33 * sb
-                    for e in range(NB2):
-                        bsum2[e] = int32(0)
-                    for j in range(8):
-                        g0, g2 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hg_lo + 1 + 4 * j),
-                                            _u16pair(a16, hg_lo + 3 + 4 * j), tig)
-                        g1, g3 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hg_hi + 1 + 4 * j),
-                                            _u16pair(a16, hg_hi + 3 + 4 * j), tig)
-                        u0, u2 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hu_lo + 1 + 4 * j),
-                                            _u16pair(a16, hu_lo + 3 + 4 * j), tig)
-                        u1, u3 = _iq2_entry(grid_s, ks_s, _u16pair(a16, hu_hi + 1 + 4 * j),
-                                            _u16pair(a16, hu_hi + 3 + 4 * j), tig)
-                        lsg_lo = imad(bfe(_u16pair(a16, hg_lo + 3 + 4 * j), 28, 4), 2, 1)
-                        lsg_hi = imad(bfe(_u16pair(a16, hg_hi + 3 + 4 * j), 28, 4), 2, 1)
-                        lsu_lo = imad(bfe(_u16pair(a16, hu_lo + 3 + 4 * j), 28, 4), 2, 1)
-                        lsu_hi = imad(bfe(_u16pair(a16, hu_hi + 3 + 4 * j), 28, 4), 2, 1)
-                        for h in range(NH):
-                            if h < halves:                 # warp-uniform
-                                bx = xq64[_ix(tok_b[h] * words + 32 * sb + 4 * j + tig)]
-                                c0, c1, c2, c3 = mma_s8(g0, g1, g2, g3, bx, bx >> 32)
-                                bsum2[4 * h] = imad(c0, lsg_lo, bsum2[4 * h])
-                                bsum2[4 * h + 1] = imad(c1, lsg_lo, bsum2[4 * h + 1])
-                                bsum2[4 * h + 2] = imad(c2, lsg_hi, bsum2[4 * h + 2])
-                                bsum2[4 * h + 3] = imad(c3, lsg_hi, bsum2[4 * h + 3])
-                                c0, c1, c2, c3 = mma_s8(u0, u1, u2, u3, bx, bx >> 32)
-                                bsum2[NB + 4 * h] = imad(c0, lsu_lo, bsum2[NB + 4 * h])
-                                bsum2[NB + 4 * h + 1] = imad(c1, lsu_lo, bsum2[NB + 4 * h + 1])
-                                bsum2[NB + 4 * h + 2] = imad(c2, lsu_hi, bsum2[NB + 4 * h + 2])
-                                bsum2[NB + 4 * h + 3] = imad(c3, lsu_hi, bsum2[NB + 4 * h + 3])
-                    dg_lo = f16_bits_to_f32(a16[_ix(hg_lo)])
-                    dg_hi = f16_bits_to_f32(a16[_ix(hg_hi)])
-                    du_lo = f16_bits_to_f32(a16[_ix(hu_lo)])
-                    du_hi = f16_bits_to_f32(a16[_ix(hu_hi)])
-                    for h in range(NH):
-                        xd0 = xd[_ix(tok_c0[h] * nsb + sb)]
-                        xd1 = xd[_ix(tok_c1[h] * nsb + sb)]
-                        e = 32 * h + 4 * q
-                        acc[e] = cuda.fma(dg_lo * xd0, float32(bsum2[4 * h]), acc[e])
-                        acc[e + 1] = cuda.fma(dg_lo * xd1, float32(bsum2[4 * h + 1]), acc[e + 1])
-                        acc[e + 2] = cuda.fma(dg_hi * xd0, float32(bsum2[4 * h + 2]), acc[e + 2])
-                        acc[e + 3] = cuda.fma(dg_hi * xd1, float32(bsum2[4 * h + 3]), acc[e + 3])
-                        e = 32 * h + 16 + 4 * q
-                        acc[e] = cuda.fma(du_lo * xd0, float32(bsum2[NB + 4 * h]), acc[e])
-                        acc[e + 1] = cuda.fma(du_lo * xd1, float32(bsum2[NB + 4 * h + 1]), acc[e + 1])
-                        acc[e + 2] = cuda.fma(du_hi * xd0, float32(bsum2[NB + 4 * h + 2]), acc[e + 2])
-                        acc[e + 3] = cuda.fma(du_hi * xd1, float32(bsum2[NB + 4 * h + 3]), acc[e + 3])
                     continue
                 for m in range(2):                 # gate, up
                     h_lo = (tile_off[tile * 3 + m] + r_lo * rb) // 2 + 33 * sb
@@ -2434,8 +2300,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu:
-        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU, _MOE_GU_SHARED_B),
-                     lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
+        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
         _tile_launch(gu, n_ff, gu_tiles, True, s)(
             a16, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
