@@ -115,21 +115,6 @@ else:
     add_rn = libdevice.fadd_rn
 
     @intrinsic
-    def dp4a(typingctx, a, b, c):
-        if not all(isinstance(t, types.Integer) for t in (a, b, c)):
-            return None
-        sig = types.int32(a, b, c)
-
-        def codegen(context, builder, signature, args):
-            a_, b_, c_ = (context.cast(builder, v, t, types.int32)
-                          for v, t in zip(args, signature.args))
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            asm = ir.InlineAsm(fnty, "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, [a_, b_, c_])
-
-        return sig, codegen
-
-    @intrinsic
     def f16_bits_to_f32(typingctx, bits):
         if not isinstance(bits, types.Integer):
             return None
@@ -146,32 +131,6 @@ else:
 
     def _i32(context, builder, v, t):
         return context.cast(builder, v, t, types.int32)
-
-    @intrinsic
-    def bfe(typingctx, x, pos, n):
-        if not all(isinstance(t, types.Integer) for t in (x, pos, n)):
-            return None
-        sig = types.int32(x, pos, n)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            return builder.call(ir.InlineAsm(fnty, "bfe.u32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
-
-        return sig, codegen
-
-    @intrinsic
-    def imad(typingctx, a, b, c):
-        if not all(isinstance(t, types.Integer) for t in (a, b, c)):
-            return None
-        sig = types.int32(a, b, c)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            return builder.call(ir.InlineAsm(fnty, "mad.lo.s32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
-
-        return sig, codegen
 
     @intrinsic
     def mma_s8(typingctx, a0, a1, a2, a3, b0, b1):
@@ -231,23 +190,32 @@ else:
         typer.__name__ = name
         return intrinsic(typer)
 
+    def _ternary_asm(name, ret, asm):
+        """An intrinsic of three 32-bit integer operands computed by the inline PTX `asm` ($0 the
+        result, $1..$3 the operands)."""
+        def typer(typingctx, a, b, c):
+            if not all(isinstance(t, types.Integer) for t in (a, b, c)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+                fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
+                return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r,r"), vals)
+
+            return ret(a, b, c), codegen
+
+        typer.__name__ = name
+        return intrinsic(typer)
+
+    dp4a = _ternary_asm("dp4a", types.int32, "dp4a.s32.s32 $0, $1, $2, $3;")
+    bfe = _ternary_asm("bfe", types.int32, "bfe.u32 $0, $1, $2, $3;")
+    imad = _ternary_asm("imad", types.int32, "mad.lo.s32 $0, $1, $2, $3;")
+    funnel_r = _ternary_asm("funnel_r", types.uint32, "shf.r.wrap.b32 $0, $1, $2, $3;")
+
     byte_mask = _unary_asm("byte_mask", types.uint32,
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,
                             "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }")
-
-    @intrinsic
-    def funnel_r(typingctx, lo, hi, n):
-        if not all(isinstance(t, types.Integer) for t in (lo, hi, n)):
-            return None
-        sig = types.uint32(lo, hi, n)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 3)
-            return builder.call(ir.InlineAsm(fnty, "shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
-
-        return sig, codegen
 
     @intrinsic
     def pdl_enter(typingctx):

@@ -9,7 +9,6 @@ Prints one line per variant: mean, median, min, max ms per token.
 """
 
 import argparse
-import os
 import statistics
 import time
 
@@ -28,18 +27,9 @@ def main():
 
     from numba import cuda
 
-    from ds4py import synth
-    from ds4py.engine import open_engine
-    from ds4py.io.spec import open_model
-    from ds4py.options import WeightOptions
-    from ds4py.tokenizer import Tokenizer
+    from flash_engine import open_flash
 
-    if not os.path.exists(args.model):
-        synth.build_model(args.model, "flash", "per-role", 0)
-    model = open_model(args.model)
-    engine = open_engine(model, WeightOptions(n_ctx=args.prompt + 4 * args.gen + 16), progress=False).engine
-    tok = Tokenizer.from_gguf(model.file)
-    ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:40_000])
+    engine, ids = open_flash(args.model, args.prompt + 4 * args.gen + 16)
     engine.prefill(ids[:args.prompt])
     first = ids[args.prompt]
     saved, n_past = engine.snapshot(), engine.n_past

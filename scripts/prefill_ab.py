@@ -5,7 +5,6 @@ warm-up (numba compiles at first launch), then each rep prefills the same tokens
     python3 scripts/prefill_ab.py --knob _MMA_STAGED --values 0,1 --tokens 2048 --reps 2
 """
 import argparse
-import os
 import time
 
 
@@ -20,19 +19,11 @@ def main() -> None:
 
     from numba import cuda
 
-    from ds4py import synth
-    from ds4py.engine import open_engine
-    from ds4py.io.spec import open_model
     from ds4py.kernels import cuda as CK
-    from ds4py.options import WeightOptions
-    from ds4py.tokenizer import Tokenizer
+    from flash_engine import open_flash
 
-    if not os.path.exists(args.model):
-        synth.build_model(args.model, "flash", "per-role", 0)
-    model = open_model(args.model)
-    engine = open_engine(model, WeightOptions(n_ctx=args.tokens + 64), progress=False).engine
-    tok = Tokenizer.from_gguf(model.file)
-    ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:40_000])[:args.tokens]
+    engine, ids = open_flash(args.model, args.tokens + 64)
+    ids = ids[:args.tokens]
     start = engine.snapshot()
     values = [int(v) for v in args.values.split(",")]
     if not hasattr(CK, args.knob):

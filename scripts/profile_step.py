@@ -12,7 +12,6 @@ profiled one by one, so per-kernel times exclude the graph's launch gaps).
 import argparse
 import collections
 import csv
-import os
 import re
 import sys
 
@@ -20,19 +19,9 @@ import sys
 def run(model_path: str, n_prompt: int, n_prefill: int = 0) -> None:
     from numba import cuda
 
-    from ds4py import synth
-    from ds4py.engine import open_engine
-    from ds4py.io.spec import open_model
-    from ds4py.options import WeightOptions
-    from ds4py.tokenizer import Tokenizer
+    from flash_engine import open_flash
 
-    if not os.path.exists(model_path):
-        synth.build_model(model_path, "flash", "per-role", 0)
-    model = open_model(model_path)
-    loaded = open_engine(model, WeightOptions(n_ctx=max(4096, n_prompt + n_prefill + 64)), progress=False)
-    engine = loaded.engine
-    tok = Tokenizer.from_gguf(model.file)
-    ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:20_000])
+    engine, ids = open_flash(model_path, max(4096, n_prompt + n_prefill + 64), corpus_chars=20_000)
     engine.prefill(ids[:n_prompt])
     engine.decode_greedy(ids[n_prompt])           # graph captured and warm
     cuda.synchronize()
