@@ -881,7 +881,8 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     rows_a = rows_a if len(parts) > 1 else rows
     U = _Q8_0_U
-    S = _dense_split(rows, ((nb + 7) // 8 + U - 1) // U)
+    nchunks = ((nb + 7) // 8 + U - 1) // U       # chunks of U steps (8 blocks each) per row
+    S = _dense_split(rows, nchunks)
     if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
     if mma is None:
@@ -895,7 +896,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             S, U, pf, regs, R // 16, T // 8))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
-            a64, off_a // 8, 17 * nb // 4, rows, nb, ((nb + 7) // 8 + U - 1) // U, _as_i64(xq),
+            a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),
             _flat(xd), n_tok, _flat(out), rows, off_b // 8, rows_a)
         return
     if mma:
@@ -909,7 +910,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        a16, off_a // 2, 17 * nb, rows, nb, ((nb + 7) // 8 + U - 1) // U, _as_i64(xq), _flat(xd),
+        a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
         n_tok, _flat(out), rows, off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
 
 
