@@ -22,13 +22,13 @@ def main() -> None:
     from ds4py.kernels import cuda as CK
     from flash_engine import open_flash
 
+    if not hasattr(CK, args.knob):            # before the model is built and loaded
+        raise SystemExit(f"ds4py.kernels.cuda has no {args.knob}")
+    values = [int(v) for v in args.values.split(",")]
+    saved = getattr(CK, args.knob)
     engine, ids = open_flash(args.model, args.tokens + 64)
     ids = ids[:args.tokens]
     start = engine.snapshot()
-    values = [int(v) for v in args.values.split(",")]
-    if not hasattr(CK, args.knob):
-        raise SystemExit(f"ds4py.kernels.cuda has no {args.knob}")
-    saved = getattr(CK, args.knob)
     rates = {v: [] for v in values}
     try:
         for v in values:                       # compile each value's kernels before any timing
