@@ -200,7 +200,8 @@ MMA_CASES = [(37, 4096, 37, 2), (2100, 1024, 40, 0), (4100, 2048, 20, 0), (8200,
 @pytest.mark.parametrize("rows,Kd,n_tok,extra", MMA_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in MMA_CASES])
 def test_q8_0_mma_matches_matvec(rows, Kd, n_tok, extra, staged):
     """The tensor-core Q8_0 matmuls (fragments from global memory, or staged in shared memory where
-    K is a multiple of 256 and the offset of 8) equal the dp4a matmul and the matvec bit for bit."""
+    K is a multiple of 256 and the offset a multiple of 8) equal the dp4a matmul and the matvec
+    bit for bit."""
     rng = _rng(60 + rows + n_tok)
     w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
     arena, (off,) = _arena([(w, extra)])
