@@ -16,6 +16,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
 * ``byte_mask(nibble)``: 0xFF in byte k where bit k of nibble is set, else 0 (the multiply and
   permute of negate_bytes alone).
+* ``masked_negate(g, m)``: the bytes of g negated where the byte of m is 0xFF (m's bytes 0 or
+  0xFF, from byte_mask): (g ^ m) + (m & 0x01010101) in three 32-bit instructions. Exact for bytes
+  in 1..0x7F (IQ2_XXS grid values: no carry).
 * ``even_signs(bits7)``: IQ2_XXS's 8 sign bits from the 7 stored ones: bit 7 makes the count of
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
@@ -87,6 +90,10 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def byte_mask(nibble):
         return np.uint32(sum(0xFF << (8 * k) for k in range(4) if (int(nibble) >> k) & 1))
+
+    def masked_negate(g, m):
+        g, m = int(g) & 0xFFFFFFFF, int(m) & 0xFFFFFFFF
+        return np.uint32(((g ^ m) + (m & 0x01010101)) & 0xFFFFFFFF)
 
     def even_signs(bits7):
         b = int(bits7) & 0x7F
@@ -212,6 +219,24 @@ else:
     imad = _ternary_asm("imad", types.int32, "mad.lo.s32 $0, $1, $2, $3;")
     funnel_r = _ternary_asm("funnel_r", types.uint32, "shf.r.wrap.b32 $0, $1, $2, $3;")
 
+    def _binary_asm(name, ret, asm):
+        """An intrinsic of two 32-bit integer operands computed by the inline PTX `asm` ($0 the
+        result, $1 and $2 the operands)."""
+        def typer(typingctx, a, b):
+            if not all(isinstance(t, types.Integer) for t in (a, b)):
+                return None
+
+            def codegen(context, builder, signature, args):
+                vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+                fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)] * 2)
+                return builder.call(ir.InlineAsm(fnty, asm, "=r,r,r"), vals)
+            return ret(a, b), codegen
+        typer.__name__ = name
+        return intrinsic(typer)
+
+    masked_negate = _binary_asm("masked_negate", types.uint32,
+                                "{ .reg .b32 t, o; xor.b32 o, $1, $2; and.b32 t, $2, 0x01010101; "
+                                "add.u32 $0, o, t; }")
     byte_mask = _unary_asm("byte_mask", types.uint32,
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,

@@ -342,9 +342,20 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff):
     assert np.array_equal(out.copy_to_host(), total)
 
 
+@pytest.fixture
+def gate_up_kernel(request):
+    """moe_prefill's gate/up kernel for one test: dp4a tiles, tensor-core tiles, or the staged
+    tensor-core kernel (the knobs restored after)."""
+    saved = K._MMA_STAGED_GU
+    K._MMA_STAGED_GU = request.param == "staged"
+    yield request.param != "dp4a"
+    K._MMA_STAGED_GU = saved
+
+
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "tensor-cores"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, grouping):
+@pytest.mark.parametrize("gate_up_kernel", ["dp4a", "tensor-cores", "staged"], indirect=True)
+def test_moe_prefill_tokens_equal_decode(experts, gate_up_kernel, grouping):
+    mma = gate_up_kernel
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -362,6 +373,44 @@ def test_moe_prefill_tokens_equal_decode(experts, mma, grouping):
     for t in range(n_tok):
         y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
         assert np.array_equal(Y[t], y), f"token {t}"
+
+
+@pytest.mark.parametrize("n_embd,n_ff", [(1536, 512), (2048, 256)])
+def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
+    """The staged gate/up kernel against the tensor-core tile kernel, bit for bit, on shapes whose
+    step count is odd (1536: 3 steps of 2 super-blocks, the sum banks end swapped) and even, with
+    tiles of 1 to 16 pairs; and against moe_decode for every token."""
+    rng = _rng(13)
+    n_exp, n_tok = 8, 23
+    gate = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, (og, ou, od) = _arena([gate, up, down])
+    s_gu, s_d = n_ff * gate.shape[2], n_embd * down.shape[2]
+    table = np.array([[og + e * s_gu, ou + e * s_gu, od + e * s_d] for e in range(n_exp)], np.int64)
+    X = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(n_exp, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 2                              # 23 pairs of expert 2: tiles of 16 and 7
+    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    outs = []
+    saved = K._MMA_STAGED_GU
+    try:
+        for staged in (False, True):
+            K._MMA_STAGED_GU = staged
+            out = cuda.device_array((n_tok, n_embd), np.float32)
+            K.moe_prefill(arena, table, F.IQ2_XXS, F.Q2_K, n_embd, n_ff, cuda.to_device(X), ids,
+                          cuda.to_device(rw), 10.0, out, mma=True)
+            outs.append(out.copy_to_host())
+    finally:
+        K._MMA_STAGED_GU = saved
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
+    for t in range(n_tok):
+        slot_off = cuda.to_device(table[ids[t]])
+        y = cuda.device_array(n_embd, np.float32)
+        K.moe_decode(arena, slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]), cuda.to_device(rw[t]), 10.0,
+                     y, ws)
+        assert np.array_equal(outs[1][t], y.copy_to_host()), f"token {t}"
 
 
 def test_moe_decode_graph_replay_reads_device_buffers(experts):
