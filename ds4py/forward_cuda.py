@@ -393,7 +393,8 @@ class CudaEngine:
             return
         if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
             assert b.hc_chunk <= ops.HC_MIX_VALS * BLOCK, "hc_mix_tokens caches HC_MIX_VALS values per thread"
-            ops.hc_mix_tokens[(b.part_dot.shape[2], b.T), BLOCK, self.stream](
+            groups = (b.T + ops.HC_TOKENS - 1) // ops.HC_TOKENS
+            ops.hc_mix_tokens[(b.part_dot.shape[2], groups), BLOCK, self.stream](
                 b.state, self.w16, self.off16(fn_name), b.hc_chunk, gram_rows > 0, b.part_dot[:, :n_rows],
                 b.part_sq, b.part_gram)
             return
@@ -470,7 +471,7 @@ class CudaEngine:
                 s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
             if self._on("combine"):
-                ops.attention_combine[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
+                ops.combine_kernel(n_splits)[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                     b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                     s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)
         post_done = False

@@ -367,75 +367,95 @@ def sum_warps(slots, k):
     return total
 
 
+HC_TOKENS = 4                          # tokens per hc_mix_tokens block (each weight loaded once for all)
+HC_TOK_DOTS = HC_TOKENS * HC_MIX_MAX
+HC_TOK_SUMS = HC_TOKENS * HC_SUMS
+HC_TOK_VALS = HC_TOKENS * HC_MIX_VALS
+
+
 @cuda.jit(cache=True)
 def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
-    """hc_mix_partial for a prefill chunk: block (chunk, token) writes all of the chunk's partials
-    (every mixer row, Σx², and the Gram pairs when with_gram) from one pass over its state slice,
-    with one barrier for all of them. hc_mix_partial's grid of (rows + n_hc²) x chunks x tokens
-    small blocks was 18 % of a 512-token prefill (1.8 ms per launch, ncu on the H200). The same
-    per-thread order and block_sum's warp-then-warp-order sums, so the partials equal
-    hc_mix_partial's bit for bit (decode keeps that kernel: one token needs its wider grid)."""
+    """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
+    partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
+    one pass over their state slices, with one barrier for all of them. hc_mix_partial's grid of
+    (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token prefill (1.8 ms per
+    launch, ncu on the H200); one block per (chunk, token) was still 0.36 ms per launch (each mixer
+    row waited for its weight loads from L2, per token): a weight value now serves HC_TOKENS
+    tokens, whose warp sums are independent. The same per-thread order and block_sum's
+    warp-then-warp-order sums, so the partials equal hc_mix_partial's bit for bit (decode keeps
+    that kernel: one token needs its wider grid). Launch grid (chunks, ceil(T / HC_TOKENS))."""
     pdl_enter()
     chunk = cuda.blockIdx.x
-    t = cuda.blockIdx.y
+    t0 = cuda.blockIdx.y * HC_TOKENS
     tid = cuda.threadIdx.x
     nthr = cuda.blockDim.x
-    _, n_hc, n_embd = state.shape
+    n_tok, n_hc, n_embd = state.shape
     n_rows = part_dot.shape[1]
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
-    dots = cuda.shared.array((HC_MIX_MAX, BLOCK_WARPS), float32)
-    sums64 = cuda.shared.array((HC_SUMS, BLOCK_WARPS), float64)
+    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
+    sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
     tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
     tree32 = cuda.shared.array(BLOCK, float32)
     # the thread's state values (j = tid, tid + nthr, ...: the order of its sums), read once for
-    # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row
-    vals = cuda.local.array(HC_MIX_VALS, float32)
-    srow = state[t, stream]
-    sumsq = float64(0.0)
-    for k in range(HC_MIX_VALS):
-        j = tid + k * nthr
-        vals[k] = srow[d0 + j] if j < chunk_len else float32(0.0)
-        if j < chunk_len:
-            sumsq += float64(vals[k]) * float64(vals[k])
-    warp_partial(sumsq, sums64, HC_GRAM, tree64)
-    for row in range(n_rows):
-        wrow = fn_off + row * n_hc * n_embd + start
-        dot = float32(0.0)
+    # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row.
+    # A group past the last token repeats it (its partials are not written).
+    vals = cuda.local.array(HC_TOK_VALS, float32)
+    for tt in range(HC_TOKENS):
+        srow = state[min(t0 + tt, n_tok - 1), stream]
+        sumsq = float64(0.0)
         for k in range(HC_MIX_VALS):
             j = tid + k * nthr
+            vals[tt * HC_MIX_VALS + k] = srow[d0 + j] if j < chunk_len else float32(0.0)
             if j < chunk_len:
-                dot += float32(w16[wrow + j]) * vals[k]
-        warp_partial(dot, dots, row, tree32)
+                sumsq += float64(vals[tt * HC_MIX_VALS + k]) * float64(vals[tt * HC_MIX_VALS + k])
+        warp_partial(sumsq, sums64, tt * HC_SUMS + HC_GRAM, tree64)
+    w = cuda.local.array(HC_MIX_VALS, float32)
+    for row in range(n_rows):
+        wrow = fn_off + row * n_hc * n_embd + start
+        for k in range(HC_MIX_VALS):
+            j = tid + k * nthr
+            w[k] = float32(w16[wrow + j]) if j < chunk_len else float32(0.0)
+        for tt in range(HC_TOKENS):
+            dot = float32(0.0)
+            for k in range(HC_MIX_VALS):
+                if tid + k * nthr < chunk_len:
+                    dot += w[k] * vals[tt * HC_MIX_VALS + k]
+            warp_partial(dot, dots, tt * HC_MIX_MAX + row, tree32)
     n_pairs = n_hc * n_hc if with_gram else 0
     if n_pairs:
         span = n_embd // part_dot.shape[2]
         gram = cuda.local.array(HC_GRAM, float64)
         x_h = cuda.local.array(HC_MAX, float32)
-        for pair in range(HC_GRAM):
-            gram[pair] = float64(0.0)
-        # loops swapped against hc_mix_partial (d outside, pairs inside): each pair still adds its
-        # products in increasing d, so the same sums; the n_hc values at d are read once
-        for d in range(chunk * span + tid, (chunk + 1) * span, nthr):
-            for h in range(HC_MAX):
-                if h < n_hc:
-                    x_h[h] = state[t, h, d]
+        for tt in range(HC_TOKENS):
+            t = min(t0 + tt, n_tok - 1)
+            for pair in range(HC_GRAM):
+                gram[pair] = float64(0.0)
+            # loops swapped against hc_mix_partial (d outside, pairs inside): each pair still adds
+            # its products in increasing d, so the same sums; the n_hc values at d are read once
+            for d in range(chunk * span + tid, (chunk + 1) * span, nthr):
+                for h in range(HC_MAX):
+                    if h < n_hc:
+                        x_h[h] = state[t, h, d]
+                for pair in range(HC_GRAM):
+                    if pair < n_pairs:
+                        h_a = pair // n_hc
+                        h_b = pair - h_a * n_hc
+                        gram[pair] += float64(x_h[h_a]) * float64(x_h[h_b])
             for pair in range(HC_GRAM):
                 if pair < n_pairs:
-                    h_a = pair // n_hc
-                    h_b = pair - h_a * n_hc
-                    gram[pair] += float64(x_h[h_a]) * float64(x_h[h_b])
-        for pair in range(HC_GRAM):
-            if pair < n_pairs:
-                warp_partial(gram[pair], sums64, pair, tree64)
+                    warp_partial(gram[pair], sums64, tt * HC_SUMS + pair, tree64)
     cuda.syncthreads()
-    if tid < n_rows:
-        part_dot[t, tid, chunk] = sum_warps(dots, tid)
-    elif tid < n_rows + n_pairs:
-        part_gram[t, tid - n_rows, chunk] = sum_warps(sums64, tid - n_rows)
-    elif tid == n_rows + n_pairs:
-        part_sq[t, chunk] = sum_warps(sums64, HC_GRAM)
+    for tt in range(HC_TOKENS):
+        t = t0 + tt
+        if t < n_tok:
+            if tid < n_rows:
+                part_dot[t, tid, chunk] = sum_warps(dots, tt * HC_MIX_MAX + tid)
+            elif tid < n_rows + n_pairs:
+                part_gram[t, tid - n_rows, chunk] = sum_warps(sums64, tt * HC_SUMS + tid - n_rows)
+            elif tid == n_rows + n_pairs:
+                part_sq[t, chunk] = sum_warps(sums64, tt * HC_SUMS + HC_GRAM)
 
 
 @cuda.jit(cache=True)
@@ -1786,87 +1806,103 @@ def rotate_pair(x0, x1, theta, inverse):
     return x0 * c - x1 * s, x0 * s + x1 * c
 
 
-@cuda.jit(cache=True)
-def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, pos_buf, head_dim,
-                      n_rot, freqs, n_group, out, out_q, out_d):
-    """Sink attention, second half: merge the splits of each head with its sink logit, which joins
-    the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part,
-    token) with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the
-    RoPE needs no second pass. Empty splits (Σ 0) are skipped. `out` is flat and group-major,
-    [n_group, T, heads per group · head_dim], so that each output group's input rows are
-    contiguous for its matmul (with T = 1 it is simply the heads in order). The output's Q8_0
-    quantization (out_q, out_d: what the output projection reads) is done here too: 16 lanes hold
-    one 32-value block (head_dim % 32 == 0), which saves a launch on the critical path."""
-    pdl_enter()
-    head = cuda.blockIdx.x
-    t = cuda.blockIdx.z
-    n_tok = cuda.gridDim.z
-    part_max = part_max_all[t]
-    part_den = part_den_all[t]
-    part_acc = part_acc_all[t]
-    n_splits = part_max.shape[1]                   # <= ATTN_SPLITS (decode: ATTN_SPLITS, prefill: 1)
-    # every split's values are loaded first, in loops over the constant ATTN_SPLITS that unroll,
-    # so the loads are in flight together; loops over n_splits with the sums in between waited
-    # for one L2 round trip per split (13 us per launch, ncu on the H200). Same sums, same order.
-    s_max = cuda.local.array(ATTN_SPLITS, float32)
-    s_den = cuda.local.array(ATTN_SPLITS, float32)
-    s_acc0 = cuda.local.array(ATTN_SPLITS, float32)
-    s_acc1 = cuda.local.array(ATTN_SPLITS, float32)
-    d = 2 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
-    inside = d < head_dim              # whole 16-lane groups: head_dim % 32 == 0
-    for s_ in range(ATTN_SPLITS):
-        if s_ < n_splits:
-            s_max[s_] = part_max[head, s_]
-            s_den[s_] = part_den[head, s_]
-            if inside:
-                s_acc0[s_] = part_acc[head, s_, d]
-                s_acc1[s_] = part_acc[head, s_, d + 1]
-    sink = w32[sinks_off + head]
-    m = sink
-    for s_ in range(ATTN_SPLITS):
-        if s_ < n_splits:
-            m = max(m, s_max[s_])
-    den = math.exp(sink - m)
-    for s_ in range(ATTN_SPLITS):          # each split's weight: 0 for empty splits (Σ 0)
-        if s_ < n_splits:
-            s_max[s_] = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float32(0.0)
-            den += s_max[s_] * s_den[s_]
-    x0 = float32(0.0)
-    x1 = float32(0.0)
-    at = 0
-    if inside:
-        acc0 = float32(0.0)
-        acc1 = float32(0.0)
-        for s_ in range(ATTN_SPLITS):
+def _attention_combine_kernel(SPLITS):
+    """attention_combine for at most SPLITS row ranges per head (its per-thread arrays hold
+    SPLITS values each: 143 registers for the decode's 24, which a prefill of one split does not
+    need; the one-split kernel runs at full occupancy)."""
+
+    @cuda.jit
+    def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, pos_buf, head_dim,
+                          n_rot, freqs, n_group, out, out_q, out_d):
+        """Sink attention, second half: merge the splits of each head with its sink logit, which joins
+        the denominator only, then the inverse RoPE of the output tail (§6.6, §6.7). Block (head, part,
+        token) with COMBINE_THREADS threads; each thread finishes one pair of dims (2i, 2i+1), so the
+        RoPE needs no second pass. Empty splits (Σ 0) are skipped. `out` is flat and group-major,
+        [n_group, T, heads per group · head_dim], so that each output group's input rows are
+        contiguous for its matmul (with T = 1 it is simply the heads in order). The output's Q8_0
+        quantization (out_q, out_d: what the output projection reads) is done here too: 16 lanes hold
+        one 32-value block (head_dim % 32 == 0), which saves a launch on the critical path."""
+        pdl_enter()
+        head = cuda.blockIdx.x
+        t = cuda.blockIdx.z
+        n_tok = cuda.gridDim.z
+        part_max = part_max_all[t]
+        part_den = part_den_all[t]
+        part_acc = part_acc_all[t]
+        n_splits = part_max.shape[1]                   # <= SPLITS
+        # every split's values are loaded first, in loops over the constant SPLITS that unroll,
+        # so the loads are in flight together; loops over n_splits with the sums in between waited
+        # for one L2 round trip per split (13 us per launch, ncu on the H200). Same sums, same order.
+        s_max = cuda.local.array(SPLITS, float32)
+        s_den = cuda.local.array(SPLITS, float32)
+        s_acc0 = cuda.local.array(SPLITS, float32)
+        s_acc1 = cuda.local.array(SPLITS, float32)
+        d = 2 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
+        inside = d < head_dim              # whole 16-lane groups: head_dim % 32 == 0
+        for s_ in range(SPLITS):
             if s_ < n_splits:
-                w = s_max[s_]
-                if w != 0:
-                    acc0 += w * s_acc0[s_]
-                    acc1 += w * s_acc1[s_]
-        x0 = acc0 / den
-        x1 = acc1 / den
-        n_nope = head_dim - n_rot
-        if d >= n_nope:
-            x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
-        heads_per_group = part_max_all.shape[1] // n_group
-        g = head // heads_per_group
-        at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
-        out[at] = x0
-        out[at + 1] = x1
-    if USE_SHUFFLES:
-        amax = max(abs(x0), abs(x1))
-        for offset in (8, 4, 2, 1):          # within each half warp: one Q8_0 block
-            amax = max(amax, cuda.shfl_xor_sync(0xFFFFFFFF, amax, offset))
-        scale, inv = q8_0_scale(amax)
+                s_max[s_] = part_max[head, s_]
+                s_den[s_] = part_den[head, s_]
+                if inside:
+                    s_acc0[s_] = part_acc[head, s_, d]
+                    s_acc1[s_] = part_acc[head, s_, d + 1]
+        sink = w32[sinks_off + head]
+        m = sink
+        for s_ in range(SPLITS):
+            if s_ < n_splits:
+                m = max(m, s_max[s_])
+        den = math.exp(sink - m)
+        for s_ in range(SPLITS):          # each split's weight: 0 for empty splits (Σ 0)
+            if s_ < n_splits:
+                s_max[s_] = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float32(0.0)
+                den += s_max[s_] * s_den[s_]
+        x0 = float32(0.0)
+        x1 = float32(0.0)
+        at = 0
         if inside:
-            out_q[at] = q8_0_value(x0, inv)
-            out_q[at + 1] = q8_0_value(x1, inv)
-            if cuda.threadIdx.x % 16 == 0:
-                out_d[at // 32] = scale
-    else:
-        cuda.syncthreads()
-        if inside and d % 32 == 0:
-            quantize_q8_0_serial(out, at // 32, out_q, out_d)
+            acc0 = float32(0.0)
+            acc1 = float32(0.0)
+            for s_ in range(SPLITS):
+                if s_ < n_splits:
+                    w = s_max[s_]
+                    if w != 0:
+                        acc0 += w * s_acc0[s_]
+                        acc1 += w * s_acc1[s_]
+            x0 = acc0 / den
+            x1 = acc1 / den
+            n_nope = head_dim - n_rot
+            if d >= n_nope:
+                x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
+            heads_per_group = part_max_all.shape[1] // n_group
+            g = head // heads_per_group
+            at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
+            out[at] = x0
+            out[at + 1] = x1
+        if USE_SHUFFLES:
+            amax = max(abs(x0), abs(x1))
+            for offset in (8, 4, 2, 1):          # within each half warp: one Q8_0 block
+                amax = max(amax, cuda.shfl_xor_sync(0xFFFFFFFF, amax, offset))
+            scale, inv = q8_0_scale(amax)
+            if inside:
+                out_q[at] = q8_0_value(x0, inv)
+                out_q[at + 1] = q8_0_value(x1, inv)
+                if cuda.threadIdx.x % 16 == 0:
+                    out_d[at // 32] = scale
+        else:
+            cuda.syncthreads()
+            if inside and d % 32 == 0:
+                quantize_q8_0_serial(out, at // 32, out_q, out_d)
+
+    return attention_combine
+
+
+attention_combine = _attention_combine_kernel(ATTN_SPLITS)     # decode: the flash-decoding splits
+attention_combine_one = _attention_combine_kernel(1)            # prefill: one row range per head group
+
+
+def combine_kernel(n_splits: int):
+    """The attention_combine kernel for n_splits row ranges per head."""
+    return attention_combine_one if n_splits == 1 else attention_combine
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

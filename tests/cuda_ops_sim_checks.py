@@ -14,6 +14,7 @@ from numba import cuda
 
 from ds4py import reference as ref
 from ds4py.kernels import cuda_ops as ops
+from ds4py.kernels.cuda_intrinsics import SIMULATOR
 
 rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 BLOCK = ops.BLOCK
@@ -57,7 +58,7 @@ def check_hc(n_tok):
         d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram)
     # the prefill form (block per chunk and token) gives the same partials, bit for bit
     tok_dot, tok_sq, tok_gram = (cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram))
-    ops.hc_mix_tokens[(n_chunks, n_tok), 64](d_state, d_arena.view(np.float16), 0, chunk, True, tok_dot,
+    ops.hc_mix_tokens[(n_chunks, (n_tok + ops.HC_TOKENS - 1) // ops.HC_TOKENS), 64](d_state, d_arena.view(np.float16), 0, chunk, True, tok_dot,
                                              tok_sq, tok_gram)
     for name, a, b in (("dots", part_dot, tok_dot), ("Σx²", part_sq, tok_sq), ("Gram", part_gram, tok_gram)):
         same = np.array_equal(a.copy_to_host(), b.copy_to_host())
@@ -180,7 +181,7 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
         cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp), cuda.to_device(sel),
         cuda.to_device(np.array([len(sl) for sl in sels], np.int32)), d_pos, n_swa, ratio, use_selected, head_dim,
         part_max, part_den, part_acc)
-    ops.attention_combine[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1, n_tok), ops.COMBINE_THREADS](
+    ops.combine_kernel(n_splits)[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1, n_tok), ops.COMBINE_THREADS](
         part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs),
         n_group, out, out_q, out_d)
     flat = out.copy_to_host()
@@ -490,6 +491,8 @@ if __name__ == "__main__":
     print(f"   ({time.time() - t0:.0f} s)")
     check_hc(1)
     check_hc(2)
+    if not SIMULATOR:               # a whole group of hc_mix_tokens' HC_TOKENS tokens and a short one
+        check_hc(5)                 # (minutes in the simulator)
     check_qat_and_rope(1)
     check_qat_and_rope(3)
     print(f"   ({time.time() - t0:.0f} s)")
