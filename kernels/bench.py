@@ -453,15 +453,17 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
     table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
-    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN)
+    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_DN)
     try:
         for n in (n_tok, 512):                 # 512: the engine's prefill chunk (~12 pairs per expert)
             args = (moe["arena"].buf, table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
                     X[:n], ids[:n], rw[:n], 10.0, out[:n])
-            for mma, gu, dn, label in ((False, 1, 1, ""),
-                                       (True, 2, 1, ", tc, 16-pair gate/up, 8-pair down tiles"),
-                                       (True, 2, 2, ", tc, 16-pair gate/up and down tiles")):
-                CK._MMA_HALVES_GU, CK._MMA_HALVES_DN = gu, dn
+            for mma, gu, dn, staged, label in (
+                    (False, 1, 1, False, ""),
+                    (True, 2, 1, False, ", tc, 16-pair gate/up, 8-pair down tiles"),
+                    (True, 2, 2, False, ", tc, 16-pair gate/up and down tiles"),
+                    (True, 2, 2, True, ", tc, 16-pair tiles, staged down")):
+                CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_DN = gu, dn, staged
                 CK.moe_prefill(*args, mma=mma)
                 cuda.synchronize()
                 walls = []
@@ -476,7 +478,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                 res.append(r)
                 log(f"  {r['name']:44s} {wall * 1e3:8.3f} ms {r['tok_per_s']:10.0f} tok/s (wall, incl. host grouping)")
     finally:
-        CK._MMA_HALVES_GU, CK._MMA_HALVES_DN = saved
+        CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_DN = saved
     return res
 
 
