@@ -32,7 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              masked_negate, mma_s8, negate_bytes, pdl_enter)
+                              masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 
 FULL_MASK = 0xFFFFFFFF
@@ -1689,6 +1689,8 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
 
 
 _MMA_HALVES_DN = 2   # 8-pair MMA columns per down tile (as _MMA_HALVES_GU)
+_MMA_STAGED_DN = True  # moe_prefill's Q2_K down projection: the shared-memory kernel
+                       # (_moe_down_tiles_staged_kernel), else _moe_down_tiles_mma_kernel
 _MMA_HALVES_GU = 2   # 8-pair MMA columns per gate/up tile: a tile of up to 16 pairs decodes each
                      # IQ2 A fragment once for two MMAs (a 512-token chunk gives ~12 pairs/expert)
 
@@ -2170,6 +2172,304 @@ def _moe_down_tiles_mma_kernel(NH):
     return moe_down_tiles_mma
 
 
+# ---- Q2_K down projection on the tensor cores through shared memory (prefill) -------------------
+#
+# The kernel above builds every fragment from global memory: 4-byte weight loads from 16 rows 672
+# bytes apart, an 8-byte activation load per MMA, and per super-block and output 16 min x bsum
+# products from 2 x 16 bsum loads (most of its instructions). This one follows the Q8_0 staged
+# recipe. A block of 8 warps takes 128 rows x one tile of <= 8·NH pairs, one super-block per
+# step: the 128 rows x 84 bytes of weights and the tile's pairs x 256 bytes of activations and
+# their scales are loaded with coalesced loads into registers while the warps run the MMAs of the
+# step before, then stored into the other of two shared-memory buffers; one barrier per step.
+# (Steps of two super-blocks through one buffer held 30 words per thread in flight and spilled
+# under the register cap; two such buffers are past the 48 KB of static shared memory.) Weights
+# are loaded as 4-byte words: only the 4-byte alignment every Q2_K kernel needs is assumed
+# (device expert tables cannot be checked on the host). The row length is a compile-time
+# constant, so every load's offset from the thread's first is an immediate (a run-time row
+# stride made the compiler keep one address per load in registers).
+#
+# The mins go through the tensor cores too: lane tig's 8 weights of a 32-weight group lie in one
+# 16-weight sub-block, so an A fragment holding that sub-block's 4-bit min in all 4 bytes, times
+# the same B fragment, sums min·x over the group; over the super-block that is Σ min·bsum exactly
+# (integers), and mbs is not read. Both MMAs accumulate in the tensor core (mma_s8_acc).
+#
+# k order: lane tig takes qs words wa = tig + 4 (tig >> 1) (0, 1, 6, 7) and wb = wa ^ 2 (2, 3, 4,
+# 5) of each 8-word chunk (both in sub-block 2 kk + (tig >> 1)); with rows 28 words apart (the 8
+# rows of a fragment load start on the banks 0, 4, ..., 28) that puts its 32 lanes on 32 banks.
+# The activations are stored permuted to match: position 2 tig holds word wa, 2 tig + 1 word wb,
+# so the B fragment is one 8-byte load.
+#
+# The f32 side is the decode kernel's: term = fma(d_x·d, isum, -((d_x·dmin)·summs)) added to bank
+# sb % 4 (the loop runs four steps per iteration, so every bank and buffer index is a constant),
+# then (q0 + q2) + (q1 + q3): pair_out equals moe_decode's per-slot result bit for bit.
+# isum < 256·45·128 and summs < 16·15·2048 are below 2^22 (_exact_float).
+
+_DN_ST_WARPS = 8      # warps per block; warp w takes rows 16 w .. 16 w + 15 of the block's 128
+_DN_ST_REGS = 128     # register cap: two blocks of 256 threads per SM
+_DN_ST_WPAD = 28      # 32-bit words per staged weight row (21 used). 28 = 4·7 mod 32: the 8 rows of
+                      # a fragment load start on banks 0, 4, ..., 28 (conflict-free with the k order)
+_DN_ST_XPAD = 72      # 32-bit words per staged pair (64 used). 72 = 8 mod 32: the 16 lanes of a
+                      # half-warp's 8-byte B loads (4 pairs x 4 lanes) fall on distinct banks
+
+
+def _moe_down_tiles_staged_kernel(NH, NSB, max_regs=_DN_ST_REGS):
+    """Prefill down projection for Q2_K experts (rows of NSB super-blocks) on the int8 tensor
+    cores, staged through shared memory (see above): a block takes 128 output rows x one tile of
+    <= 8·NH pairs (grid: row groups of 128 x tiles, 256 threads), warp w rows 16 w .. 16 w + 15
+    and all pairs. Any NSB (an odd last step needs nothing special: steps are one super-block)
+    and any row count; offsets need only be multiples of 4 (as for every Q2_K kernel). Arguments
+    as _moe_down_tiles_mma_kernel's less mbs, nsb and rb (compiled in as NSB); pair_out is the
+    same bit for bit (scripts/check_down_staged_sim.py checks the indexing without a GPU)."""
+    TILE = 8 * NH
+    NTH = _DN_ST_WARPS * WARP
+    ROWS = 16 * _DN_ST_WARPS
+    RBW = 21 * NSB                  # 32-bit words per row
+    BW = 21                         # 32-bit words per row and step (one Q2_K block)
+    ROUND = NTH // BW               # rows one pass of the threads covers (12 rows, 252 threads)
+    LOADS = (ROWS + ROUND - 1) // ROUND   # weight words per thread and step (11; the last pass short)
+    PW = _DN_ST_WPAD
+    PX = _DN_ST_XPAD
+    XTH = 16                        # threads per staged pair: two loads of 8 bytes each
+    NI = 4 * NH                     # sums per lane and bank: [h][lo c0, lo c1, hi c0, hi c1]
+    NACC = 4 * NI                   # 4 banks
+    SW_N = ROWS * PW                # one buffer (shared array sizes must be plain constants)
+    SX_N = TILE * PX
+    SW_2 = 2 * SW_N
+    SX_2 = 2 * SX_N
+    SXD_2 = 2 * TILE
+    assert TILE * XTH <= NTH and PW >= BW and PX >= 64
+
+    @_inline
+    def load_step(a32, mq64, md, sb, full, g_first, nv, last_on, x_first, x_on, d_first, d_on, tid,
+                  pw, px, pd):
+        """Super-block sb's tiles into registers. Weights: thread t takes word t % 21 of rows
+        t // 21 + 12 m, m < LOADS (threads 252 .. 255 load rows 12 + 12 m too, and store
+        nothing). In a full block (all 128 rows before n_embd: block-uniform) only the last pass
+        is short (last_on: w_row < 8); in the last, short block the loads m < nv are those of
+        rows before n_embd. Activations: thread t takes 8-byte words t % 16 + 16 m (m = 0, 1) of
+        pair t // 16; thread t < TILE the scale of pair t. Registers that would hold nothing are
+        left unset (store_step skips them)."""
+        g = g_first + BW * sb
+        if full:
+            for m in range(LOADS - 1):
+                pw[m] = a32[_ix(g + m * (ROUND * RBW))]
+            if last_on:
+                pw[LOADS - 1] = a32[_ix(g + (LOADS - 1) * (ROUND * RBW))]
+        else:
+            for m in range(LOADS):
+                if m < nv:
+                    pw[m] = a32[_ix(g + m * (ROUND * RBW))]
+        if x_on:
+            for m in range(2):
+                px[m] = uint64(mq64[_ix(x_first + 32 * sb + 16 * m)])
+        if d_on:
+            pd[0] = md[_ix(d_first + sb)]
+
+    @_inline
+    def store_step(sw, sx, sxd, buf, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px,
+                   pd):
+        """load_step's registers into buffer buf (a constant): weight words at row·PW + word,
+        each activation word's halves at their k-order positions (s_x + 32 m and + 2)."""
+        o = buf * SW_N + s_first
+        if full:
+            if st_on:
+                for m in range(LOADS - 1):
+                    sw[_ix(o + m * (ROUND * PW))] = pw[m]
+                if last_on:
+                    sw[_ix(o + (LOADS - 1) * (ROUND * PW))] = pw[LOADS - 1]
+        else:
+            for m in range(LOADS):
+                if m < nv:
+                    sw[_ix(o + m * (ROUND * PW))] = pw[m]
+        if x_on:
+            for m in range(2):
+                sx[_ix(buf * SX_N + s_x + 32 * m)] = uint32(px[m] & _M32)
+                sx[_ix(buf * SX_N + s_x + 32 * m + 2)] = uint32(px[m] >> uint64(32))
+        if d_on:
+            sxd[buf * TILE + tid] = pd[0]
+
+    @_inline
+    def half_sums(sw, sx64, bx0, kh, w_lo, w_hi, wa, wb, sc_sh, gid, tig, halves, isum, summs):
+        """The integer sums of the 128-weight half kh (a constant: LLVM left a loop over the two
+        halves rolled) added to isum and summs: groups kk = 4 kh + s, s = 0 .. 3, read from the
+        qs words 4 + 8 kh + wa, wb at shift 2 s and from scale words 2 kh, 2 kh + 1."""
+        q_lo_a = sw[_ix(w_lo + 4 + 8 * kh + wa)]
+        q_lo_b = sw[_ix(w_lo + 4 + 8 * kh + wb)]
+        q_hi_a = sw[_ix(w_hi + 4 + 8 * kh + wa)]
+        q_hi_b = sw[_ix(w_hi + 4 + 8 * kh + wb)]
+        for sp in range(2):                     # scale word 2 kh + sp: groups kk = 4 kh + 2 sp (+ 1)
+            # the lane's scale/min bytes (2 kk + (tig >> 1)) moved to bytes 0 (kk even) and 2, and
+            # split into nibbles: then a byte permute gives the scale (byte 0, the rest 0) or the
+            # min replicated in all 4 bytes (the A fragment of the mins MMA)
+            sc_lo = sw[_ix(w_lo + 2 * kh + sp)] >> sc_sh
+            sc_hi = sw[_ix(w_hi + 2 * kh + sp)] >> sc_sh
+            sl_lo = int32(sc_lo & _LOW4)
+            sl_hi = int32(sc_hi & _LOW4)
+            mh_lo = int32((sc_lo >> uint32(4)) & _LOW4)
+            mh_hi = int32((sc_hi >> uint32(4)) & _LOW4)
+            for odd in range(2):
+                s = 2 * sp + odd                # the 2-bit shift of group kk
+                kk = 4 * kh + s
+                scale_lo = uint32(libdevice.byte_perm(sl_lo, 0, 0x4440 + 2 * odd))
+                scale_hi = uint32(libdevice.byte_perm(sl_hi, 0, 0x4440 + 2 * odd))
+                min_lo = libdevice.byte_perm(mh_lo, 0, 0x2222 * odd)
+                min_hi = libdevice.byte_perm(mh_hi, 0, 0x2222 * odd)
+                a0 = uint32(((q_lo_a >> uint32(2 * s)) & _LOW2) * scale_lo)
+                a1 = uint32(((q_hi_a >> uint32(2 * s)) & _LOW2) * scale_hi)
+                a2 = uint32(((q_lo_b >> uint32(2 * s)) & _LOW2) * scale_lo)
+                a3 = uint32(((q_hi_b >> uint32(2 * s)) & _LOW2) * scale_hi)
+                for h in range(NH):
+                    if h < halves:              # block-uniform
+                        bx = sx64[_ix(bx0 + h * (4 * PX) + 4 * kk)]
+                        b0 = bx & _M32
+                        b1 = bx >> uint64(32)
+                        e = 4 * h
+                        isum[e], isum[e + 1], isum[e + 2], isum[e + 3] = mma_s8_acc(
+                            a0, a1, a2, a3, b0, b1, isum[e], isum[e + 1], isum[e + 2], isum[e + 3])
+                        summs[e], summs[e + 1], summs[e + 2], summs[e + 3] = mma_s8_acc(
+                            min_lo, min_hi, min_lo, min_hi, b0, b1,
+                            summs[e], summs[e + 1], summs[e + 2], summs[e + 3])
+
+    @_inline
+    def super_block(sw, sx64, sxd, buf, bank, w_lo, gid, tig, halves, isum, summs, acc):
+        """The super-block in buffer buf into bank `bank` (constants at every call)."""
+        w_lo = w_lo + buf * SW_N
+        w_hi = w_lo + 8 * PW
+        wa = tig + 4 * (tig >> 1)               # k order (above): qs words wa, wb of each chunk
+        wb = wa ^ 2
+        sc_sh = uint32(8 * (tig >> 1))          # scale byte 2 kk + (tig >> 1) -> bits 16 (kk & 1)
+        bx0 = (buf * SX_N + gid * PX) // 2 + tig    # B fragment of group 0, half 0 (8-byte words)
+        for e in range(NI):
+            isum[e] = int32(0)
+            summs[e] = int32(0)
+        half_sums(sw, sx64, bx0, 0, w_lo, w_hi, wa, wb, sc_sh, gid, tig, halves, isum, summs)
+        half_sums(sw, sx64, bx0, 1, w_lo, w_hi, wa, wb, sc_sh, gid, tig, halves, isum, summs)
+        dd_lo = sw[_ix(w_lo + 20)]
+        dd_hi = sw[_ix(w_hi + 20)]
+        d_lo = f16_bits_to_f32(dd_lo & _M16)
+        dmin_lo = f16_bits_to_f32(dd_lo >> uint32(16))
+        d_hi = f16_bits_to_f32(dd_hi & _M16)
+        dmin_hi = f16_bits_to_f32(dd_hi >> uint32(16))
+        for h in range(NH):
+            if h < halves:
+                xd0 = sxd[_ix(buf * TILE + 8 * h + 2 * tig)]
+                xd1 = sxd[_ix(buf * TILE + 8 * h + 2 * tig + 1)]
+                for k in range(4):
+                    d = d_lo if k < 2 else d_hi
+                    dmin = dmin_lo if k < 2 else dmin_hi
+                    xdv = xd0 if k % 2 == 0 else xd1
+                    term = cuda.fma(xdv * d, _exact_float(isum[4 * h + k]),
+                                    -((xdv * dmin) * _exact_float(summs[4 * h + k])))
+                    e = NI * bank + 4 * h + k
+                    acc[e] = acc[e] + term
+
+    @_inline
+    def step(a32, mq64, md, sw, sx, sx64, sxd, sb, bank, buf, full, g_first, nv, last_on, st_on,
+             s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, rows_on, pw, px,
+             pd, isum, summs, acc):
+        """Super-block sb (staged in buffer buf) into bank `bank` while sb + 1 is loaded into
+        the other buffer (bank and buf constants)."""
+        more = sb + 1 < NSB
+        if more:                                # in flight while the MMAs run
+            load_step(a32, mq64, md, sb + 1, full, g_first, nv, last_on, x_first, x_on, d_first, d_on,
+                      tid, pw, px, pd)
+        if rows_on:                             # warp-uniform: not all 16 rows past n_embd
+            super_block(sw, sx64, sxd, buf, bank, w_lo, gid, tig, halves, isum, summs, acc)
+        if more:
+            store_step(sw, sx, sxd, 1 - buf, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid,
+                       pw, px, pd)
+        cuda.syncthreads()                      # buffer 1 - buf full, buffer buf free again
+
+    jit = _jit_capped(max_regs)
+
+    @jit
+    def moe_down_tiles_staged(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq64, md, n_embd,
+                              pair_out):
+        pdl_enter()
+        sw = cuda.shared.array(SW_2, uint32)            # two buffers: [buf][row][word]
+        sx = cuda.shared.array(SX_2, uint32)            # [buf][pair][k-order word]
+        sxd = cuda.shared.array(SXD_2, float32)         # [buf][pair]
+        spair = cuda.shared.array(TILE, int64)          # the tile's pairs (rows of mq, pair_out)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:                                     # block-uniform
+            return
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        if tid < TILE:                                   # columns past cnt repeat the last pair
+            col = tile * TILE + min(tid, cnt - 1)
+            spair[tid] = tile_tok[col] * n_used + tile_slot[col]
+        halves = (cnt + 7) >> 3                          # column halves holding pairs
+        row0 = cuda.blockIdx.x * ROWS
+        # weight staging (load_step): the thread's first row and word; which of its loads hold
+        # weights of rows before n_embd and the block's end
+        w_row = tid // BW
+        w_word = tid - BW * w_row
+        rows_in = min(ROWS, n_embd - row0)
+        full = rows_in == ROWS
+        st_on = tid < ROUND * BW
+        nv = min(LOADS, max(0, (rows_in - w_row + ROUND - 1) // ROUND)) if st_on else 0
+        last_on = st_on and w_row + ROUND * (LOADS - 1) < rows_in
+        g_first = (tile_off[tile * 3 + 2] >> 2) + (row0 + w_row) * RBW + w_word
+        s_first = w_row * PW + w_word
+        # activation staging: pair tid // 16, 8-byte words tid % 16 + 16 m; s_x: where the low
+        # half of word m = 0 goes (k order: u32 word w of a group at position 0, 2, 1, 3, 5, 7, 4, 6)
+        x_pair = tid >> 4
+        x_word = tid & 15
+        jj = x_word & 3
+        s_x = x_pair * PX + 8 * (x_word >> 2) + 4 * (jj >> 1) + ((jj ^ (jj >> 1)) & 1)
+        x_on = x_pair < 8 * halves                       # warp-uniform
+        d_on = tid < 8 * halves
+        cuda.syncthreads()
+        x_first = spair[min(x_pair, TILE - 1)] * (32 * NSB) + x_word
+        d_first = spair[min(tid, TILE - 1)] * NSB
+        w_lo = (16 * warp + gid) * PW                    # the warp's staged rows gid, gid + 8
+        rows_on = row0 + 16 * warp < n_embd
+        sx64 = sx.view(np.uint64)
+        pw = cuda.local.array(LOADS, uint32)
+        px = cuda.local.array(2, uint64)
+        pd = cuda.local.array(1, float32)
+        isum = cuda.local.array(NI, int32)
+        summs = cuda.local.array(NI, int32)
+        acc = cuda.local.array(NACC, float32)            # [bank = sb % 4][h][k]
+        for e in range(NACC):
+            acc[e] = float32(0.0)
+        load_step(a32, mq64, md, 0, full, g_first, nv, last_on, x_first, x_on, d_first, d_on, tid, pw,
+                  px, pd)
+        store_step(sw, sx, sxd, 0, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px, pd)
+        cuda.syncthreads()
+        sb = 0
+        while sb < NSB:                                  # super-block sb + i: bank i, buffer i % 2
+            step(a32, mq64, md, sw, sx, sx64, sxd, sb, 0, 0, full, g_first, nv, last_on, st_on, s_first,
+                 x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, rows_on, pw, px, pd,
+                 isum, summs, acc)
+            if sb + 1 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, sb + 1, 1, 1, full, g_first, nv, last_on, st_on,
+                     s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, rows_on,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 2 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, sb + 2, 2, 0, full, g_first, nv, last_on, st_on,
+                     s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, rows_on,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 3 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, sb + 3, 3, 1, full, g_first, nv, last_on, st_on,
+                     s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, rows_on,
+                     pw, px, pd, isum, summs, acc)
+            sb += 4
+        for h in range(NH):
+            for k in range(4):
+                row = row0 + 16 * warp + gid + 8 * (k >> 1)
+                col = 8 * h + 2 * tig + (k & 1)
+                if row < n_embd and col < cnt:
+                    e = 4 * h + k
+                    pair_out[_ix(spair[col] * n_embd + row)] = (acc[e] + acc[2 * NI + e]) + (acc[NI + e] + acc[3 * NI + e])
+
+    return moe_down_tiles_staged
+
+
 @_inline
 def _q2_times(a32, w, qword, shift, scale):
     """Four Q2_K weights (qs word `qword` of the block at word w, bits `shift`) times their
@@ -2516,6 +2816,21 @@ def _tile_launch(kernel, rows, tiles, mma, s, shmem=0):
     return kernel[((rows + per_block - 1) // per_block, tiles[3].size), warps * WARP, s, shmem]
 
 
+def _launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, s, staged):
+    """moe_prefill's Q2_K down projection on the tensor cores for tiles of 8·_MMA_HALVES_DN pairs
+    (group_tiles): the staged kernel (any shape) or the direct one; the same bits either way."""
+    NH, nsb = _MMA_HALVES_DN, n_ff // 256
+    if staged:
+        dn = _cached(("moe_down_tiles_staged", NH, nsb), lambda: _moe_down_tiles_staged_kernel(NH, nsb))
+        rows = 16 * _DN_ST_WARPS
+        dn[((n_embd + rows - 1) // rows, tiles[3].size), _DN_ST_WARPS * WARP, s](
+            a32, *tiles, n_used, _as_i64(mq), md, n_embd, pair_out)
+    else:
+        dn = _cached(("moe_down_tiles_mma", NH), lambda: _moe_down_tiles_mma_kernel(NH))
+        _tile_launch(dn, n_embd, tiles, True, s)(
+            a32, *tiles, n_used, _as_i64(mq), md, mbs, nsb, F.row_bytes(F.Q2_K, n_ff), n_embd, pair_out)
+
+
 def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expert_ids, route_w,
                 clamp, out, stream=0, mma=None):
     """Routed MoE for n_tok tokens, grouping tokens by expert; each token equals moe_decode.
@@ -2577,10 +2892,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     quantize_q8_k(mid, mq, md, mbs, s)
     if mma_dn:
-        dn = _cached(("moe_down_tiles_mma", _MMA_HALVES_DN), lambda: _moe_down_tiles_mma_kernel(_MMA_HALVES_DN))
-        _tile_launch(dn, n_embd, mma_tiles, True, s)(
-            a32, *mma_tiles, n_used, _as_i64(mq), md, mbs, n_ff // 256, F.row_bytes(down_type, n_ff), n_embd,
-            pair_out)
+        _launch_moe_down_mma(a32, mma_tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, s, _MMA_STAGED_DN)
     else:
         NCH = _nch(n_ff)
         dn = _cached(("moe_down_tiles", down_type, T, NCH),

@@ -11,6 +11,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   mma.sync.m16n8k32.row.col.s32.s8.s8.s32, C = 0): A 16 x 32 (row-major), B 32 x 8 (one column per
   token), the thread's four int32 results (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1).
   Exact integer dots, so a kernel that scales them per Q8_0 block gets the dp4a kernels' numbers.
+* ``mma_s8_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)``: the same product added to the thread's
+  four int32 accumulators c0..c3 by the tensor core itself (ptxas does not fold an mma_s8 and the
+  integer adds after it: four IADDs per MMA saved where a kernel sums many MMAs).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -78,6 +81,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def mma_s8(a0, a1, a2, a3, b0, b1):
         raise NotImplementedError("mma_s8 is a warp-wide tensor-core instruction: no simulator version")
 
+    def mma_s8_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        raise NotImplementedError("mma_s8_acc is a warp-wide tensor-core instruction: no simulator version")
+
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
         out = 0
@@ -139,27 +145,41 @@ else:
     def _i32(context, builder, v, t):
         return context.cast(builder, v, t, types.int32)
 
+    _MMA_S8 = ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+    def _mma_s8_codegen(context, builder, signature, llargs, accumulate):
+        """The inline mma.sync: C from the last four arguments, or 0 (accumulate False)."""
+        vals = [_i32(context, builder, v, t) for v, t in zip(llargs, signature.args)]
+        i32 = ir.IntType(32)
+        if not accumulate:
+            vals += [ir.Constant(i32, 0)] * 4
+        fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
+        res = builder.call(ir.InlineAsm(fnty, _MMA_S8, "=r,=r,=r,=r," + ",".join(["r"] * 10)), vals)
+        parts = [builder.extract_value(res, i) for i in range(4)]
+        return context.make_tuple(builder, signature.return_type, parts)
+
     @intrinsic
     def mma_s8(typingctx, a0, a1, a2, a3, b0, b1):
         args = (a0, a1, a2, a3, b0, b1)
         if not all(isinstance(t, types.Integer) for t in args):
             return None
-        ret = types.UniTuple(types.int32, 4)
-        sig = ret(*args)
 
         def codegen(context, builder, signature, llargs):
-            vals = [_i32(context, builder, v, t) for v, t in zip(llargs, signature.args)]
-            zero = ir.Constant(ir.IntType(32), 0)
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
-            asm = ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,=r,=r," + ",".join(["r"] * 10)),
-                               vals + [zero] * 4)
-            parts = [builder.extract_value(res, i) for i in range(4)]
-            return context.make_tuple(builder, signature.return_type, parts)
+            return _mma_s8_codegen(context, builder, signature, llargs, False)
 
-        return sig, codegen
+        return types.UniTuple(types.int32, 4)(*args), codegen
+
+    @intrinsic
+    def mma_s8_acc(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        args = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        if not all(isinstance(t, types.Integer) for t in args):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            return _mma_s8_codegen(context, builder, signature, llargs, True)
+
+        return types.UniTuple(types.int32, 4)(*args), codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

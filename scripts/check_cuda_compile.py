@@ -50,15 +50,17 @@ sigs = {
 }
 
 
-def ptxas_summary(ptx: str) -> str:
-    """Registers, spills and stack frame of the PTX as ptxas reports them for sm_90."""
+def ptxas_summary(ptx: str, max_regs: int = 0) -> str:
+    """Registers, spills and stack frame of the PTX as ptxas reports them for sm_90 (under the
+    kernel's register cap, as the launch compiles it, when it has one)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         src = f"{tmp}/k.ptx"
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", f"{tmp}/k.cubin"],
+        cap = ["-maxrregcount", str(max_regs)] if max_regs else []
+        r = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", f"{tmp}/k.cubin"] + cap,
                            capture_output=True, text=True)
     lines = [ln.split("info    :")[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
     return "; ".join(lines) if lines else r.stderr.strip()[:200]
@@ -73,6 +75,7 @@ moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i6
 f16_rows = (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)
 gu_mma = (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables
 dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)
+dn_staged = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a)
 hc_epi = (b1, f32a2, f32a, f32a, f32a)        # the HC-post epilogue (on, state, f_b, post, comb)
 q8_rows = (u16a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) + hc_epi
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
@@ -106,16 +109,20 @@ quant = {
                                             dn_mma),
  "moe_down_tiles_mma Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(2),
                                              dn_mma),
+ "moe_down_tiles_staged Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_staged_kernel(2, 8),
+                                                dn_staged, qk._DN_ST_REGS),
 }
 
 bad = 0
 report = "--ptxas" in sys.argv
-kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig) for name, sig in sigs.items()]
-kernels += [(name, lambda f=make: f().py_func, sig) for name, (make, sig) in quant.items()]
-for name, func, sig in kernels:
+# a third element of a quant entry: the register cap the kernel is built with (_jit_capped)
+kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig, 0) for name, sig in sigs.items()]
+kernels += [(name, lambda f=entry[0]: f().py_func, entry[1], entry[2] if len(entry) > 2 else 0)
+            for name, entry in quant.items()]
+for name, func, sig, max_regs in kernels:
     try:
         ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0))
-        print("ok ", name, ptxas_summary(ptx) if report else "")
+        print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
     except Exception as e:
         bad += 1
         print("BAD", name, str(e).splitlines()[0][:300])

@@ -353,9 +353,14 @@ def gate_up_kernel(request):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("gate_up_kernel", ["dp4a", "tensor-cores", "staged"], indirect=True)
-def test_moe_prefill_tokens_equal_decode(experts, gate_up_kernel, grouping):
-    mma = gate_up_kernel
+@pytest.mark.parametrize("mma,staged_gu,staged_dn", [(False, False, False), (True, False, False),
+                                                   (True, True, False), (True, True, True)],
+                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, grouping, monkeypatch):
+    """Every token of moe_prefill equals moe_decode bit for bit; with the tensor cores, gate/up and
+    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN)."""
+    monkeypatch.setattr(K, "_MMA_STAGED_GU", staged_gu)
+    monkeypatch.setattr(K, "_MMA_STAGED_DN", staged_dn)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -411,6 +416,44 @@ def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
         K.moe_decode(arena, slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]), cuda.to_device(rw[t]), 10.0,
                      y, ws)
         assert np.array_equal(outs[1][t], y.copy_to_host()), f"token {t}"
+
+
+@pytest.mark.parametrize("n_ff,n_embd", [(256, 392), (768, 200), (1280, 136)])
+def test_moe_down_tiles_staged_equals_decode(n_ff, n_embd):
+    """The staged Q2_K down kernel on shapes the flash model does not have: rows of 1, 3 and 5
+    super-blocks (an odd count: the bank and buffer schedule ends mid-round), n_embd not a multiple
+    of 128 (a short last row block; 136: warps whose 16 rows are all past n_embd, 392 and 200: a
+    warp with 8 of them), tiles of 16 pairs and fewer (one expert shared by every token), one
+    expert at an offset of 4 mod 8 (only 4-byte alignment is assumed). Every pair's row equals
+    moe_down of its slot alone (the decode kernel) and the direct tensor-core kernel, bit for
+    bit."""
+    rng = _rng(13)
+    n_exp, n_tok, n_used = 3, 13, 2
+    nsb = n_ff // 256
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, offs = _arena([down[0], (down[1], 4), down[2]])
+    assert offs[1] % 8 == 4
+    table = np.array([[0, 0, o] for o in offs], np.int64)
+    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 1
+    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
+    n_pairs = n_tok * n_used
+    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_pairs * n_ff)))
+    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    assert int(tiles[3].copy_to_host().max()) > 8        # a tile that fills both MMA column halves
+    a32 = K._arena_views(arena)[1]
+    results = {}
+    for staged in (True, False):
+        pair_out = cuda.to_device(np.full(n_pairs * n_embd, np.nan, np.float32))
+        K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, staged)
+        results[staged] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
+    assert np.array_equal(results[True], results[False])
+    out = cuda.device_array(n_embd, np.float32)
+    for p in range(n_pairs):
+        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
+        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
+                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
+        assert np.array_equal(results[True][p], out.copy_to_host()), f"pair {p}"
 
 
 def test_moe_decode_graph_replay_reads_device_buffers(experts):
