@@ -24,6 +24,7 @@ from ds4py.options import DEFAULT_PREFILL_CHUNK
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
 from ds4py.kernels import cuda_ops as ops
+from ds4py.kernels.launch import view as memo_view
 from ds4py.kernels.graph import CapturedGraph
 from numba import cuda
 from numba.cuda import config as numba_config
@@ -363,17 +364,18 @@ class CudaEngine:
         sublayer's _hc_post, or by _embed for the first); the post gates and comb matrix, which
         only this sublayer's _hc_post reads, on the "hc" stream beside it."""
         s, st = self.spec, self.stream
+        mix_dot = memo_view(b.part_dot, ("cols", s.hc_mix), lambda a: a[:, :s.hc_mix])
         scale_off = self.off32(f"{prefix}hc_{sub}_scale.weight")
         base_off = self.off32(f"{prefix}hc_{sub}_base.weight")
         if not self._on("hc_pre"):
             return
         with self._branch("hc"):
             ops.hc_sinkhorn[(1, b.T), BLOCK, self.stream](
-                b.part_dot[:, :s.hc_mix], b.part_sq, s.n_hc * s.n_embd, self.w32, scale_off, base_off,
+                mix_dot, b.part_sq, s.n_hc * s.n_embd, self.w32, scale_off, base_off,
                 s.n_sinkhorn, s.hc_eps, s.rms_eps, b.post, b.comb)
         x_blocks = (s.n_embd + BLOCK - 1) // BLOCK
         ops.hc_pre[(x_blocks, b.T), BLOCK, st](
-            b.state, b.part_dot[:, :s.hc_mix], b.part_sq, b.part_gram, self.w32, scale_off, base_off,
+            b.state, mix_dot, b.part_sq, b.part_gram, self.w32, scale_off, base_off,
             self.off32(norm_name), s.hc_eps, s.rms_eps, b.x, b.xq, b.xd)
 
     def _embed(self, b):
@@ -391,15 +393,16 @@ class CudaEngine:
         n_rows, gram_rows = (s.n_hc, 0) if fn_name == "output_hc_fn.weight" else (s.hc_mix, s.n_hc ** 2)
         if not self._on("hc_mix"):
             return
+        mix_dot = memo_view(b.part_dot, ("cols", n_rows), lambda a: a[:, :n_rows])
         if b.T > 1:       # prefill: one block per (chunk, token) writes all its partials, same bits
             assert b.hc_chunk <= ops.HC_MIX_VALS * BLOCK, "hc_mix_tokens caches HC_MIX_VALS values per thread"
             groups = (b.T + ops.HC_TOKENS - 1) // ops.HC_TOKENS
             ops.hc_mix_tokens[(b.part_dot.shape[2], groups), BLOCK, self.stream](
-                b.state, self.w16, self.off16(fn_name), b.hc_chunk, gram_rows > 0, b.part_dot[:, :n_rows],
+                b.state, self.w16, self.off16(fn_name), b.hc_chunk, gram_rows > 0, mix_dot,
                 b.part_sq, b.part_gram)
             return
         ops.hc_mix_partial[(n_rows + gram_rows, b.part_dot.shape[2], b.T), BLOCK, self.stream](
-            b.state, self.w16, self.off16(fn_name), b.hc_chunk, b.part_dot[:, :n_rows], b.part_sq, b.part_gram)
+            b.state, self.w16, self.off16(fn_name), b.hc_chunk, mix_dot, b.part_sq, b.part_gram)
 
     def _hc_post(self, b, f_a, f_b, next_fn: str, done: bool = False):
         """HC post of the sublayer just computed (in place; done: the kernel that wrote f_a did it,
@@ -518,7 +521,7 @@ class CudaEngine:
         scores[grid, threads, st](
             b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
             s.n_ihead, s.idx_dim, b.scores)
-        ops.indexer_select[(1, T), BLOCK, st](b.scores.view(np.uint32), b.pos, s.idx_topk,
+        ops.indexer_select[(1, T), BLOCK, st](memo_view(b.scores, "u32", lambda a: a.view(np.uint32)), b.pos, s.idx_topk,
                                               b.selected, b.n_selected)
 
     def _attn_out(self, b, il: int) -> bool:
@@ -569,7 +572,9 @@ class CudaEngine:
         s, st = self.spec, self.stream
         T = b.T
         width = (2 if ratio == 4 else 1) * head_dim
-        pair = pair_flat[:T * 2 * width].reshape(T, 2 * width)
+        pair = memo_view(pair_flat, ("pair", T, width), lambda a: a[:T * 2 * width].reshape(T, 2 * width))
+        pair_kv = memo_view(pair, "kv", lambda a: a[:, :width])
+        pair_gate = memo_view(pair, "gate", lambda a: a[:, width:])
         self._proj_pair(prefix + "_kv.weight", prefix + "_gate.weight", b.x, None, None, pair, T)
         threads = BLOCK if head_dim <= BLOCK else ops.BLOCK2    # its scratch holds BLOCK2
         assert head_dim <= ops.BLOCK2, "compressor_step handles head_dim <= BLOCK2"
@@ -577,9 +582,11 @@ class CudaEngine:
         ape_off, norm_off = self.off16(prefix + "_ape.weight"), self.off32(prefix + "_norm.weight")
         if pos0 is not None and ext is not None and T > 1:
             n_state = kv_state.shape[0]
-            ext_kv, ext_sc = (a[:(n_state + T) * width].reshape(n_state + T, width) for a in ext)
+            ext_kv, ext_sc = (memo_view(a, ("ext", n_state + T, width),
+                                        lambda a: a[:(n_state + T) * width].reshape(n_state + T, width))
+                              for a in ext)
             ops.compressor_chunk_stage[n_state + T, min(width, ops.BLOCK2), st](
-                pair[:, :width], pair[:, width:], self.w16, ape_off, pos0, ratio, kv_state, score_state,
+                pair_kv, pair_gate, self.w16, ape_off, pos0, ratio, kv_state, score_state,
                 ext_kv, ext_sc)
             n_rows = (pos0 + T) // ratio - pos0 // ratio
             if n_rows:
@@ -590,7 +597,7 @@ class CudaEngine:
                 ext_kv, ext_sc, pos0, T, ratio, kv_state, score_state)
             return
         ops.compressor_step[1, threads, st](
-            pair[:, :width], pair[:, width:], self.w16, ape_off, self.w32, norm_off, s.rms_eps, b.pos,
+            pair_kv, pair_gate, self.w16, ape_off, self.w32, norm_off, s.rms_eps, b.pos,
             ratio, head_dim, s.n_rot, freqs, indexer_lane, kv_state, score_state, cache)
 
     def _ffn_route(self, b, il: int):

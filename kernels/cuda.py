@@ -34,9 +34,14 @@ from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
                               masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
+from .launch import install as _install_fast_launch, view as memo_view
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
+
+# numba-cuda marshals every launch's arguments in Python (31 us + ~8 us per array argument on the
+# H200): kernels/launch.py memoizes that for every dispatcher (False under the simulator)
+FAST_LAUNCH = _install_fast_launch()
 
 # numba's CUDA simulator takes neither forceinline nor max_registers: there these two drop them,
 # so the kernels here can be checked in the simulator too (those using mma_s8, a warp-wide
@@ -179,9 +184,14 @@ def _stream(stream):
 
 
 def _flat(a):
-    """1-D view of a contiguous device array (numba refuses some size-1-dim reshapes)."""
+    """1-D view of a contiguous device array (numba refuses some size-1-dim reshapes); memoized,
+    so that the launches it feeds keep their arguments (kernels/launch.py)."""
     if a.ndim == 1:
         return a
+    return memo_view(a, "flat", _flat_view)
+
+
+def _flat_view(a):
     try:
         return a.reshape(a.size)
     except NotImplementedError:
@@ -251,11 +261,11 @@ def _arena_views(arena):
 
 def _as_i32(a):
     """int32 view of an int8 device array (size % 4 == 0, base 4-aligned as allocations are)."""
-    return _flat(a).view(np.int32)
+    return memo_view(a, "i32", lambda a: _flat(a).view(np.int32))
 
 
 def _as_i64(a):
-    return _flat(a).view(np.int64)
+    return memo_view(a, "i64", lambda a: _flat(a).view(np.int64))
 
 
 _TABLES = None
@@ -967,7 +977,7 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))
     grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        a32, off_a // 4, K // 2, rows, K // 2, _flat(X).view(np.complex64), n_tok, _flat(out), rows,
+        a32, off_a // 4, K // 2, rows, K // 2, memo_view(X, "c64", lambda a: _flat(a).view(np.complex64)), n_tok, _flat(out), rows,
         off_b // 4, rows_a if len(parts) > 1 else rows)
 
 
@@ -2692,7 +2702,7 @@ def _moe_prefill_scratch(n_tok, n_used, n_embd, n_ff):
         held = _PREFILL_SCRATCH[key] = (n_tok, {name: (cuda.device_array(n_tok * per_tok, dt), per_tok)
                                                 for name, (per_tok, dt) in sizes.items()})
     bufs = held[1]
-    return tuple(bufs[name][0][:n_tok * bufs[name][1]]
+    return tuple(memo_view(bufs[name][0], n_tok * bufs[name][1], lambda a, n=n_tok * bufs[name][1]: a[:n])
                  for name in ("xq", "xd", "xbs", "mid", "mq", "md", "mbs", "pair_out"))
 
 
@@ -2803,7 +2813,8 @@ def _tiles_on_device(ids, table, T, s):
                                    cuda.device_array(max_tiles * (2 * T + 1), np.int32))
     _, rank, offs, ints = held
     n = max_tiles * T
-    tiles = (offs[:max_tiles * 3], ints[:n], ints[n:2 * n], ints[2 * n:2 * n + max_tiles])
+    tiles = memo_view(ints, ("tiles", max_tiles, T), lambda ints: (
+        offs[:max_tiles * 3], ints[:n], ints[n:2 * n], ints[2 * n:2 * n + max_tiles]))
     _group_tiles_kernel[1, _GROUP_THREADS, s](_flat(ids), n_pairs, ids.shape[1], n_exp, table, T, rank, *tiles)
     return tiles
 

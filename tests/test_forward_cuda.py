@@ -304,3 +304,34 @@ def test_pipelined_greedy_run_equals_token_by_token(model, regime):
     assert np.array_equal(np.array(run.decode(got[-1])), np.array(one.decode(want[-1])))
     sr.close()
     so.close()
+
+
+def test_memoized_launches_equal_numba_launches(model):
+    """kernels/launch.py relaunches through cuda.core with the arguments numba marshalled at the
+    first launch: a batched prefill in chunks, then decodes, give bitwise the logits of numba's own
+    launch path; the second prefill of the same chunks hits the memo for (nearly) every launch."""
+    from ds4py.kernels import launch
+    tokens = _tokens(100, seed=5)
+
+    def run():
+        engine, source = _engine(model, "device")
+        out = [np.array(engine.prefill(tokens[:70]))]
+        out += [np.array(engine.decode(tok)) for tok in tokens[70:80]]
+        source.close()
+        return out
+
+    assert launch._installed
+    memo_first = run()
+    before = dict(launch.stats)
+    memo_again = run()
+    hits = launch.stats["hits"] - before["hits"]
+    misses = launch.stats["misses"] - before["misses"]
+    launch.uninstall()
+    try:
+        plain = run()
+    finally:
+        launch.install()
+    print(f"memo on a second engine: {hits} hits, {misses} misses")
+    for got, again, want in zip(memo_first, memo_again, plain):
+        assert np.array_equal(got, want) and np.array_equal(again, want)
+    assert hits > 0
