@@ -43,7 +43,11 @@ def view(array, key, make):
     if hit is None:
         if len(_views) >= _MAX_ENTRIES:
             _views.clear()
-        hit = _views[k] = (weakref.ref(array, _forget(_views, k)), make(array))
+        try:
+            ref = weakref.ref(array, _forget(_views, k))
+        except TypeError:              # not weak-referenceable: no memo
+            return make(array)
+        hit = _views[k] = (ref, make(array))
     return hit[1]
 
 

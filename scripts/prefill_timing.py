@@ -18,6 +18,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-gc", action="store_true", help="also run the reps with the garbage collector off")
+    ap.add_argument("--bench-like", action="store_true",
+                    help="ds4py bench's sequence instead: prefill 2k, snapshot, greedy probe, restore, "
+                         "prefill 2k..4k; per-chunk GPU times from events, no sync between chunks")
     ap.add_argument("--numba-launch", action="store_true",
                     help="also run the reps through numba's own launch path (kernels/launch.py off)")
     args = ap.parse_args()
@@ -40,6 +43,9 @@ def main() -> None:
         return head(b)
 
     engine._head = timed_head
+    if args.bench_like:
+        bench_like(engine, ids, enqueued)
+        return
     from ds4py.kernels import launch
     modes = [("memo", False)] + ([("memo", True)] if args.no_gc else []) + \
         ([("numba", False)] if args.numba_launch else [])
@@ -71,6 +77,49 @@ def main() -> None:
         if mode == "memo":
             print("   launch memo:", launch.stats, f"{len(launch._launches)} entries, {len(launch._views)} views",
                   flush=True)
+
+
+def bench_like(engine, ids, enqueued) -> None:
+    """The bench's order of work, with an event and a host time at the start of every chunk."""
+    from numba import cuda
+
+    from ds4py.bench import probe_decode
+    embed = engine._embed
+    marks = []
+
+    def marked_embed(b):
+        event = cuda.event()
+        event.record(engine.stream)
+        marks.append((time.perf_counter(), event))
+        return embed(b)
+
+    engine._embed = marked_embed
+
+    def timed_prefill(tokens, label):
+        marks.clear()
+        t0 = time.perf_counter()
+        logits = engine.prefill(tokens)
+        wall = time.perf_counter() - t0
+        end = cuda.event()
+        end.record(engine.stream)
+        end.synchronize()
+        gpu = [cuda.event_elapsed_time(a[1], b[1]) for a, b in zip(marks, marks[1:] + [(None, end)])]
+        host = [(m[0] - t0) * 1e3 for m in marks] + [(enqueued[-1] - t0) * 1e3]
+        print(f"{label}: {len(tokens) / wall:.1f} tok/s, wall {wall * 1e3:.1f} ms; chunk GPU ms "
+              + " ".join(f"{g:.1f}" for g in gpu) + "; host at chunk starts, head ms "
+              + " ".join(f"{h:.1f}" for h in host), flush=True)
+        return logits
+
+    engine.reset()
+    logits = timed_prefill(ids[:2048], "prefill 0..2048")
+    snap = engine.snapshot()
+    total, _ = probe_decode(engine, logits, 32, -1)
+    print(f"probe 32 tokens {total * 1e3:.1f} ms", flush=True)
+    engine.restore(snap)
+    timed_prefill(ids[2048:4096], "prefill 2048..4096")
+    engine.reset()
+    timed_prefill(ids[:2048], "again 0..2048")
+    timed_prefill(ids[2048:4096], "again 2048..4096 (no probe)")
 
 
 if __name__ == "__main__":
