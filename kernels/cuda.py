@@ -1696,7 +1696,8 @@ def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
     while the current row is computed. The slot results go to shared memory; after one barrier a
     thread per row adds them in slot order (0 + r_0 + r_1 + ...), as moe_down_decode does, with the
     same row dot (same loads, integers, f32 steps): the same bits. Rows of NSB super-blocks (a
-    compile-time constant), one load chunk."""
+    compile-time constant), one load chunk. scripts/check_moe_decode_sim.py checks the indexing
+    against moe_down_decode without a GPU."""
     assert wtype == F.Q2_K, "moe_down_decode_slots: Q2_K only"
     NSTEPS = (NSB + 3) >> 2
     load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, 1, NSTEPS, True, NSB)
