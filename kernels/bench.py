@@ -512,7 +512,8 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     variants += [(8, 8, 0, True, True, 4, 64, True, 0, 8), (6, 8, 0, True, True, 4, 64, True, 0, 16),
                  (4, 6, 0, True, True, 4, 64, True, 0, 4), (3, 4, 0, True, True, 4, 64, True, 0, 8),
                  (4, 6, 0, True, True, 4, 64, True, 2, 6), (4, 6, 0, True, True, 4, 64, True, 1, 8),
-                 (4, 4, 0, True, True, 4, 64, True, 0, 0)]
+                 (4, 4, 0, True, True, 4, 64, True, 0, 0),
+                 (4, 8, 0, False, True, 4, 64, True, 1, 8)]   # x staged, chunks of 1: 56 registers, 4 blocks
     first = None
     try:
         for v in variants:
