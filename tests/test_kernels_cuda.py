@@ -384,7 +384,7 @@ def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_r
 @pytest.mark.parametrize("nch", [0, 1])
 def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     """The const-steps gate/up kernel on rows whose last step is partial (768: 3 super-blocks,
-    4608: 18 = 4 full steps + 2; x staged in shared memory there, 2 chunks) or one full step
+    4608: 18 = 4 full steps + 2; x staged in shared memory there, 2 chunks or 5 with nch 1) or one full step
     (1024), against the shipped kernel bit for bit; n_ff 20 (the last block's rows partial)."""
     ref = _gate_up_mid(n_embd, 20, 3, 14)
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
