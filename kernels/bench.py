@@ -487,22 +487,33 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
 def bench_tune_moe(timer, copy_bw, rng, log, moe):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
     rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
-    arithmetic (split: dot(g, x) - 2 dot(g & m, x)); down warps per block and register cap.
-    Every variant must give the same bits (checked: mid and out of one step against the first
+    arithmetic (split: dot(g, x) - 2 dot(g & m, x)), a kernel per row length (const: the step count
+    a compile-time constant, chunks of nch steps); down warps per block and register cap, or one
+    warp per slot over R rows per block (moe_down_decode_slots). Every variant must give the same bits (checked: mid and out of one step against the first
     variant); only the time may change."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
-             "_NW_DOWN", "_REGS_DOWN")
+             "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
     # warps per SM)
-    variants = [(8, 8, 0, True, True, 4, 64), (8, 8, 0, True, False, 4, 64),
-                (8, 8, 0, False, True, 4, 64), (16, 8, 0, False, True, 4, 64),
-                (8, 16, 0, False, True, 4, 64), (4, 4, 0, False, True, 4, 64),
-                (16, 16, 0, False, True, 4, 64), (8, 8, 0, True, True, 8, 64)]
+    old = [(8, 8, 0, True, True, 4, 64), (8, 8, 0, True, False, 4, 64),
+           (8, 8, 0, False, True, 4, 64), (16, 8, 0, False, True, 4, 64),
+           (8, 16, 0, False, True, 4, 64), (4, 4, 0, False, True, 4, 64),
+           (16, 16, 0, False, True, 4, 64), (8, 8, 0, True, True, 8, 64)]
+    variants = [v + (False, 0, 0) for v in old]
+    # const steps (ptxas, sm_90: 80 registers with chunks of 4 steps, 72 with 2 or 1, no spills,
+    # against 128): 3 blocks of 8 warps, 4 of 6 or 6 of 4 per SM; rows x warps chosen so that the
+    # 12,288 (row, slot) units of a flash layer are one wave of ~4 units per warp. Down slots (80
+    # registers, 6-warp blocks, 4 per SM): R = 8 is one wave of 512 blocks on 132 SMs.
+    variants += [(8, 8, 0, True, True, 4, 64, True, 0, 8), (6, 8, 0, True, True, 4, 64, True, 0, 16),
+                 (4, 6, 0, True, True, 4, 64, True, 0, 4), (3, 4, 0, True, True, 4, 64, True, 0, 8),
+                 (4, 6, 0, True, True, 4, 64, True, 2, 6), (4, 6, 0, True, True, 4, 64, True, 1, 8),
+                 (4, 4, 0, True, True, 4, 64, True, 0, 0),
+                 (4, 8, 0, False, True, 4, 64, True, 1, 8)]   # x staged, chunks of 1: 56 registers, 4 blocks
     first = None
     try:
         for v in variants:
@@ -520,8 +531,10 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["variant"] = dict(zip(names, v))
                 r["same_bits"] = same
                 res.append(r)
-                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}; "
-                    f"down warps {v[5]} regs {v[6] or '-'}] {r['name'][:30]:30s} {r['us']:8.2f} us "
+                gu_const = f" const nch {v[8] or 'auto'}" if v[7] else ""
+                dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
+                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
+                    f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "
                     f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} % {'same bits' if same else 'BITS DIFFER'}")
     finally:
         for n, value in zip(names, saved):

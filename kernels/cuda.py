@@ -1129,8 +1129,12 @@ def _make_load_q2_k():
     return load, NWORDS
 
 
-def _make_compute_q2_k(T):
-    """Lane j owns qs words j and 8+j: 32 weights (4 shifts x 2 halves x 4 bytes)."""
+def _make_compute_q2_k(T, x_regs=False):
+    """Lane j owns qs words j and 8+j: 32 weights (4 shifts x 2 halves x 4 bytes).
+
+    With x_regs (one token) the lane's activation of step u is in registers: xsrc[xu + 4h + s]
+    the 8 words (xu = 8u), xbs[xu >> 2 ..] its 2 bsums, xd[xu >> 3] the super-block scale (as
+    moe_down_decode_slots loads them). The same integers and the same f32 operations."""
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1154,19 +1158,31 @@ def _make_compute_q2_k(T):
                 isum = int32(0)
                 summs = int32(0)
                 if valid:
-                    xb = xbase[to + tt] + 64 * sb + j
-                    for h in range(2):
-                        qw = raw[o + 4 + h]
-                        for s in range(4):
-                            scale = int32((sw[2 * h + (s >> 1)] >> uint32(16 * (s & 1))) & uint32(15))
-                            q2 = (qw >> uint32(2 * s)) & _LOW2
-                            isum = imad(scale, dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0), isum)
-                    bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
-                    summs = imad(m0, xbs[_ix(bs)], imad(m1, xbs[_ix(bs + 1)], 0))
+                    if x_regs:
+                        for h in range(2):
+                            qw = raw[o + 4 + h]
+                            for s in range(4):
+                                scale = int32((sw[2 * h + (s >> 1)] >> uint32(16 * (s & 1))) & uint32(15))
+                                q2 = (qw >> uint32(2 * s)) & _LOW2
+                                isum = imad(scale, dp4a(q2, xsrc[xu + 4 * h + s], 0), isum)
+                        summs = imad(m0, xbs[xu >> 2], imad(m1, xbs[(xu >> 2) + 1], 0))
+                    else:
+                        xb = xbase[to + tt] + 64 * sb + j
+                        for h in range(2):
+                            qw = raw[o + 4 + h]
+                            for s in range(4):
+                                scale = int32((sw[2 * h + (s >> 1)] >> uint32(16 * (s & 1))) & uint32(15))
+                                q2 = (qw >> uint32(2 * s)) & _LOW2
+                                isum = imad(scale, dp4a(q2, xsrc[_ix(xb + 32 * h + 8 * s)], 0), isum)
+                        bs = toks[to + tt] * (16 * nsb) + 16 * sb + 2 * j
+                        summs = imad(m0, xbs[_ix(bs)], imad(m1, xbs[_ix(bs + 1)], 0))
                 isum = _sum_lanes_of_8_i32(isum)
                 summs = _sum_lanes_of_8_i32(summs)
                 if valid:
-                    xdv = xd[_ix(toks[to + tt] * nsb + sb)]
+                    if x_regs:
+                        xdv = xd[xu >> 3]
+                    else:
+                        xdv = xd[_ix(toks[to + tt] * nsb + sb)]
                     term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
                     acc[ao + tt] = acc[ao + tt] + term
 
@@ -1190,8 +1206,9 @@ def _make_load_q4_k():
     return load, NWORDS
 
 
-def _make_compute_q4_k(T):
+def _make_compute_q4_k(T, x_regs=False):
     """Lane j owns qs words j, 8+j, 16+j, 24+j (low and high nibbles: 32 weights)."""
+    assert not x_regs, "Q4_K: no register-activation variant"
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1242,15 +1259,20 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_chunk_parts(wtype, T, NCH, x_regs=False):
+def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0):
     """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
     load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
     chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
     its next chunk while it computes this one (moe_down_decode). Lane map: lane = 8*q + j; a step
     covers 4 super-blocks, group q takes super-block 4*step + q, lane j one 32-weight slice of
-    it. Returns (load_chunk, dot_chunk, words of raw per chunk)."""
+    it. Returns (load_chunk, dot_chunk, words of raw per chunk).
+
+    NSB > 0: the row's super-block count is that constant (the nsb arguments are ignored), a step
+    wholly inside the row needs no bound check (valid is the same boolean), and with x_regs the
+    activation registers are indexed by the absolute step (xu = 8 (c0 + u)): a caller whose chunk
+    loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
     load, NWORDS = _LOADERS[wtype]()
-    compute = _make_compute_iq2_xxs(T, True) if x_regs else _COMPUTERS[wtype](T)
+    compute = _COMPUTERS[wtype](T, x_regs)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw, o):
@@ -1258,7 +1280,10 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False):
         j = cuda.laneid & 7
         for u in range(NCH):
             sb = (c0 + u) * 4 + q
-            load(a16, a32, roff, sb, j, sb < nsb, raw, o + u * NWORDS)
+            if NSB:
+                load(a16, a32, roff, sb, j, (c0 + u + 1) * 4 <= NSB or sb < NSB, raw, o + u * NWORDS)
+            else:
+                load(a16, a32, roff, sb, j, sb < nsb, raw, o + u * NWORDS)
 
     @_inline
     def dot_chunk(raw, o, nsb, c0, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s, acc, ao):
@@ -1266,24 +1291,30 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False):
         j = cuda.laneid & 7
         for u in range(NCH):
             sb = (c0 + u) * 4 + q
-            compute(raw, o + u * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, to, cnt,
-                    grid_s, ks_s, acc, ao, 8 * u)
+            if NSB:
+                compute(raw, o + u * NWORDS, NSB, sb, j, (c0 + u + 1) * 4 <= NSB or sb < NSB, xsrc,
+                        xbase, xd, xbs, toks, to, cnt, grid_s, ks_s, acc, ao, 8 * (c0 + u))
+            else:
+                compute(raw, o + u * NWORDS, nsb, sb, j, sb < nsb, xsrc, xbase, xd, xbs, toks, to,
+                        cnt, grid_s, ks_s, acc, ao, 8 * u)
 
     return load_chunk, dot_chunk, NCH * NWORDS
 
 
-def _make_rowdots(wtype, T, R, NCH, x_regs=False):
+def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
     xbase[r*T + tt] in xsrc. Each chunk's weights of all R rows are loaded before any is used
     (_make_chunk_parts); the 8 lanes of a group add their integer partials exactly, then
     accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
-    4 groups."""
-    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs)
+    4 groups. NSB > 0: rows of that many super-blocks (a compile-time constant; the chunk loop
+    has constant bounds and unrolls)."""
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCHUNK
+    NSTEPS = (NSB + 3) >> 2
 
     @_inline
     def rowdots(a16, a32, roffs, nsb, xsrc, xbase, xd, xbs, toks, cnt, grid_s, ks_s, res):
@@ -1291,7 +1322,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
         for i in range(NACC):
             acc[i] = float32(0.0)
         raw = cuda.local.array(NRAW, uint32)
-        nsteps = (nsb + 3) >> 2
+        nsteps = NSTEPS if NSB else (nsb + 3) >> 2
         for c0 in range(0, nsteps, NCH):
             for r in range(R):
                 load_chunk(a16, a32, roffs[r], nsb, c0, raw, r * NCHUNK)
@@ -1307,10 +1338,10 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False):
 _ROWDOTS = {}
 
 
-def _rowdots(wtype, T, R, NCH, x_regs=False):
-    key = (wtype, T, R, NCH, x_regs)
+def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
+    key = (wtype, T, R, NCH, x_regs, NSB)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB)
     return _ROWDOTS[key]
 
 
@@ -1487,10 +1518,19 @@ _RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once pe
 _NW_GATE_UP = 8      # warps per gate/up decode block
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else staged in shared memory)
+_CONST_STEPS_GATE_UP = False  # a kernel per row length (super-blocks a compile-time constant: the
+                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
+                              # with _NCH_GATE_UP 2 or 1, no spills; not yet timed on the H200)
+_NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
+                     # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
 _REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
                      # one wave on 132 SMs (uncapped it takes 69 registers, 28 warps per SM, 1.1
                      # waves: 23.3 us against 17.6; kbench tune_moe on the H200, session 11)
+_R_DOWN_SLOTS = 0    # > 0: moe_down_decode_slots (one warp per slot, this many output rows per
+                     # block) where down_slots_applies; 0: moe_down_decode. ptxas sm_90: 80
+                     # registers, ~220 SASS instructions per (row, slot) against ~460; not yet timed
+_REGS_DOWN_SLOTS = 0  # its register cap (0: none)
 
 
 @_inline
@@ -1500,26 +1540,35 @@ def _swiglu(g, u, clamp, w):
     return g / (float32(1.0) + math.exp(-g)) * u * w
 
 
-def _gate_up_x_regs(wtype, K):
+def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     """IQ2_XXS gate/up decode keeps the activation in registers when a row is one load chunk
     (K <= 4096): lane (q, j) reads the same 8 words of each of its super-blocks for every (row,
     slot) unit, so 8 x NCH registers replace the shared-memory staging and its 8 loads per
     sub-block (the kernel was bound by shared-memory traffic: a byte-mask sign table in shared
-    memory made it slower, 30 -> 36 us, measured on the H200)."""
-    return wtype == F.IQ2_XXS and (K // 256 + 3) // 4 <= _nch(K)
+    memory made it slower, 30 -> 36 us, measured on the H200). A kernel with a constant step
+    count (const_steps) holds the x words of all the row's steps (up to 4) for any chunk size."""
+    nsteps = (K // 256 + 3) // 4
+    return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
-    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs)      # gate row and up row together
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0):
+    """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
+    argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
+    registers those of every step of the row are held (chunks of NCH < all steps possible). The
+    same loads, integers and f32 operations in the same order: the same bits."""
+    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB)      # gate row and up row together
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
-    NX = 8 * NCH
+    NXS = (NSB + 3) >> 2 if NSB else NCH                   # steps whose x words are registers
+    NX = 8 * NXS
     jit = _jit_capped(max_regs)
 
     @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         pdl_enter()
+        if NSB:
+            nsb = NSB
         grid_s = cuda.shared.array(256, uint64)
         ks_s = cuda.shared.array(128, uint8)
         xs = cuda.shared.array(0, int32)
@@ -1542,7 +1591,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False):
         x_reg = cuda.local.array(NX, int32)
         if x_regs:                                     # lane (q, j): slice j of super-blocks 4u + q
             q = lane >> 3
-            for u in range(NCH):
+            for u in range(NXS):
                 sb = 4 * u + q
                 for i in range(8):
                     x_reg[8 * u + i] = xq32[_ix(64 * sb + 8 * (lane & 7) + i)] if sb < nsb else int32(0)
@@ -1643,6 +1692,94 @@ def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
                     hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
 
     return moe_down_decode
+
+
+def down_slots_applies(wtype, K, n_used):
+    """moe_down_decode_slots takes Q2_K rows of one load chunk (K <= 4096) and up to 32 slots."""
+    return wtype == F.Q2_K and K % 256 == 0 and (K // 256 + 3) // 4 <= _nch(K) and 1 <= n_used <= 32
+
+
+def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
+    """Down with one warp per slot: a block of n_used warps takes R output rows; warp k dots rows
+    r0 .. r0 + R - 1 of slot k's expert with slot k's activation, which it holds in registers for
+    the whole block (8 words, 2 bsums and the scale per step), the next row's weights loading
+    while the current row is computed. The slot results go to shared memory; after one barrier a
+    thread per row adds them in slot order (0 + r_0 + r_1 + ...), as moe_down_decode does, with the
+    same row dot (same loads, integers, f32 steps): the same bits. Rows of NSB super-blocks (a
+    compile-time constant), one load chunk. scripts/check_moe_decode_sim.py checks the indexing
+    against moe_down_decode without a GPU."""
+    assert wtype == F.Q2_K, "moe_down_decode_slots: Q2_K only"
+    NSTEPS = (NSB + 3) >> 2
+    load_chunk, dot_chunk, NRAW = _make_chunk_parts(wtype, 1, NSTEPS, True, NSB)
+    scale = float32(_FINAL_SCALE[wtype])
+    NXW, NXB = 8 * NSTEPS, 2 * NSTEPS       # local array sizes must be plain constants for numba
+    jit = _jit_capped(max_regs)
+
+    @_inline
+    def row_dot(raw, xw, xbs2, xdr, toks, xbase, grid_s, ks_s, acc):
+        acc[0] = float32(0.0)
+        dot_chunk(raw, 0, NSB, 0, xw, xbase, xdr, xbs2, toks, 0, 1, grid_s, ks_s, acc, 0)
+        return _sum_groups_of_8_f32(acc[0])
+
+    @jit
+    def moe_down_decode_slots(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out,
+                              grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
+        pdl_enter()
+        part = cuda.shared.array(0, float32)           # [n_used, R] slot results
+        k = cuda.threadIdx.x >> 5                      # this warp's slot
+        lane = cuda.laneid
+        q = lane >> 3
+        j = lane & 7
+        r0 = cuda.blockIdx.x * R
+        nr = min(R, n_embd - r0)
+        # slot k's activation as _make_compute_q2_k reads it with x_regs: step u of lane (q, j)
+        # is super-block 4u + q, its words j + 8s + 32h, bsums 2j and 2j + 1, scale
+        xw = cuda.local.array(NXW, int32)
+        xbs2 = cuda.local.array(NXB, int32)
+        xdr = cuda.local.array(NSTEPS, float32)
+        for u in range(NSTEPS):
+            sb = 4 * u + q
+            ok = (u + 1) * 4 <= NSB or sb < NSB
+            xb = k * (64 * NSB) + 64 * sb + j
+            bs = k * (16 * NSB) + 16 * sb + 2 * j
+            for h in range(2):
+                for s in range(4):
+                    xw[8 * u + 4 * h + s] = mq32[_ix(xb + 32 * h + 8 * s)] if ok else int32(0)
+            xbs2[2 * u] = mbs[_ix(bs)] if ok else int32(0)
+            xbs2[2 * u + 1] = mbs[_ix(bs + 1)] if ok else int32(0)
+            xdr[u] = md[_ix(k * NSB + sb)] if ok else float32(0.0)
+        toks = cuda.local.array(1, int64)              # unused with x in registers
+        xbase = cuda.local.array(1, int64)
+        toks[0] = 0
+        xbase[0] = 0
+        acc = cuda.local.array(1, float32)
+        raw_a = cuda.local.array(NRAW, uint32)
+        raw_b = cuda.local.array(NRAW, uint32)
+        base = slot_off[k * 3 + 2] + r0 * rb
+        load_chunk(a16, a32, base, NSB, 0, raw_a, 0)
+        for i in range(0, nr, 2):                      # rows i (raw_a) and i + 1 (raw_b)
+            if i + 1 < nr:
+                load_chunk(a16, a32, base + (i + 1) * rb, NSB, 0, raw_b, 0)
+            v = row_dot(raw_a, xw, xbs2, xdr, toks, xbase, grid_g, ks_g, acc)
+            if lane == 0:
+                part[k * R + i] = v
+            if i + 1 < nr:
+                if i + 2 < nr:
+                    load_chunk(a16, a32, base + (i + 2) * rb, NSB, 0, raw_a, 0)
+                v = row_dot(raw_b, xw, xbs2, xdr, toks, xbase, grid_g, ks_g, acc)
+                if lane == 0:
+                    part[k * R + i + 1] = v
+        cuda.syncthreads()
+        for rr in range(cuda.threadIdx.x, nr, cuda.blockDim.x):
+            total = float32(0.0)
+            for kk in range(n_used):
+                total = total + scale * part[kk * R + rr]
+            r = r0 + rr
+            out[r] = total
+            if hc_on:                            # the HC post of this dim (f_b: the shared expert)
+                hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
+
+    return moe_down_decode_slots
 
 
 def _moe_gate_up_tiles_kernel(wtype, T, NCH):
@@ -2605,11 +2742,12 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
-    NCH = _nch(n_embd)
+    NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
     regs = _REGS_GATE_UP
-    x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd)
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs))
+    NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
+    x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB))
     grid_g, ks_g = _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
@@ -2627,11 +2765,19 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     _check_moe_types(down_type, down_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
+    grid_g, ks_g = _iq2_tables()
+    if _R_DOWN_SLOTS and down_slots_applies(down_type, n_ff, n_used):
+        R, NSB, regs = _R_DOWN_SLOTS, n_ff // 256, _REGS_DOWN_SLOTS
+        kernel = _cached(("moe_down_slots", down_type, NSB, R, regs),
+                         lambda: _moe_down_decode_slots_kernel(down_type, NSB, R, regs))
+        kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), 4 * n_used * R](
+            a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
+            F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))
+        return
     NCH = _nch(n_ff)
     NW, regs = _NW_DOWN, _REGS_DOWN
     kernel = _cached(("moe_down_dec", down_type, NCH, NW, regs),
                      lambda: _moe_down_decode_kernel(down_type, NCH, NW, regs))
-    grid_g, ks_g = _iq2_tables()
     kernel[(n_embd + NW - 1) // NW, NW * WARP, _stream(stream), _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,

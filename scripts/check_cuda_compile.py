@@ -78,10 +78,18 @@ dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f3
 dn_staged = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a)
 hc_epi = (b1, f32a2, f32a, f32a, f32a)        # the HC-post epilogue (on, state, f_b, post, comb)
 q8_rows = (u16a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) + hc_epi
+moe_down = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, qk._REGS_GATE_UP, True), moe_dec),
  "moe_gate_up_decode IQ2_XXS (x staged)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False), moe_dec),
+ # _CONST_STEPS_GATE_UP: rows of 16 super-blocks (K = 4096) as a compile-time constant
+ "moe_gate_up_decode IQ2_XXS (x in registers, const steps)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16), moe_dec),
+ "moe_gate_up_decode IQ2_XXS (x in registers, const steps, chunks of 2)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, True, 16), moe_dec),
+ "moe_gate_up_decode IQ2_XXS (x in registers, const steps, chunks of 1)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 1, 0, True, 16), moe_dec),
+ "moe_gate_up_decode IQ2_XXS (x in registers, const steps, cap 96)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 96, True, 16), moe_dec, 96),
+ "moe_gate_up_decode IQ2_XXS (x in registers, const steps, cap 80)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 80, True, 16), moe_dec, 80),
+ "moe_gate_up_decode IQ2_XXS (x staged, const steps, chunks of 1)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 1, 0, False, 16), moe_dec),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
@@ -95,7 +103,11 @@ quant = {
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
                                    f16_rows),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._NW_DOWN, qk._REGS_DOWN),
-                          (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi),
+                          moe_down, qk._REGS_DOWN),
+ # _R_DOWN_SLOTS: one warp per slot, R rows per block (K = 2048: 8 super-blocks)
+ "moe_down_decode_slots Q2_K (8 rows)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 8), moe_down),
+ "moe_down_decode_slots Q2_K (16 rows)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 16), moe_down),
+ "moe_down_decode_slots Q2_K (16 rows, cap 80)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 16, 80), moe_down, 80),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

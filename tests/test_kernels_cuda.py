@@ -318,11 +318,89 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, x_regs, split):
         K._ROWDOTS.clear()
 
 
-@pytest.mark.parametrize("n_ff", [256, 5120])
-def test_moe_down_decode_equals_slot_matvecs(n_ff):
+@pytest.fixture
+def moe_knobs():
+    """Set MoE decode knobs of kernels/cuda.py for one test (kernel caches cleared, restored after)."""
+    saved = {}
+
+    def set_knobs(**kw):
+        for n, v in kw.items():
+            saved.setdefault(n, getattr(K, n))
+            setattr(K, n, v)
+        K._KERNELS.clear()
+        K._ROWDOTS.clear()
+
+    yield set_knobs
+    for n, v in saved.items():
+        setattr(K, n, v)
+    K._KERNELS.clear()
+    K._ROWDOTS.clear()
+
+
+def _gate_up_mid(n_embd, n_ff, n_used, seed):
+    """mid of moe_gate_up for random IQ2_XXS experts of n_embd columns (fresh weights, x, routes)."""
+    rng = _rng(seed)
+    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    arena, (og, ou) = _arena([gate, up])
+    stride = gate.shape[1] * gate.shape[2]
+    slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)],
+                                       np.int64))
+    xq, xd, xbs, _ = _prepare(F.IQ2_XXS, rng.standard_normal((1, n_embd)))
+    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
+    mid = cuda.device_array((n_used, n_ff), np.float32)
+    K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, mid, bsums=xbs)
+    return mid.copy_to_host()
+
+
+# (chunk steps, rows per block, warps per block, x in registers): rows of 4 steps (K = 4096) in
+# 1, 2 or 4 chunks
+_CONST_STEPS_VARIANTS = [(0, 8, 8, True), (2, 8, 8, True), (1, 4, 4, True), (0, 4, 4, True),
+                         (2, 8, 8, False)]
+
+
+@pytest.mark.parametrize("nch,rpb,nw,x_regs", _CONST_STEPS_VARIANTS,
+                         ids=[f"nch{v[0]}-rpb{v[1]}-nw{v[2]}-x{'regs' if v[3] else 'shared'}"
+                              for v in _CONST_STEPS_VARIANTS])
+def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_regs):
+    """_CONST_STEPS_GATE_UP (the row's step count a compile-time constant, chunks of nch steps)
+    against the shipped gate/up kernel: the same loads, integers and f32 order, so mid and the MoE
+    output are the same bits."""
+    rng = _rng(13)
+    x = rng.standard_normal(N_EMBD).astype(np.float32)
+    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
+    mid_ref = ws.mid.copy_to_host()
+    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw,
+              _X_REGS_GATE_UP=x_regs)
+    y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
+    assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
+    assert np.array_equal(y, y_ref)
+
+
+@pytest.mark.parametrize("n_embd", [768, 1024, 4608])
+@pytest.mark.parametrize("nch", [0, 1])
+def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
+    """The const-steps gate/up kernel on rows whose last step is partial (768: 3 super-blocks,
+    4608: 18 = 4 full steps + 2; x staged in shared memory there, 2 chunks or 5 with nch 1) or one full step
+    (1024), against the shipped kernel bit for bit; n_ff 20 (the last block's rows partial)."""
+    ref = _gate_up_mid(n_embd, 20, 3, 14)
+    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
+    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
+
+
+@pytest.mark.parametrize("slots_rows", [0, 1, 8, 10, 16])
+@pytest.mark.parametrize("n_ff", [256, 2048, 5120])
+def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     """moe_down (one warp per output row, slots in order, the next (slot, chunk) loading while the
     current one is computed) against a Q2_K matvec per slot added in slot order, bit for bit: rows
-    of one chunk (n_ff 256) and of two (5120: 5 steps of 4 super-blocks, chunks of 4 steps)."""
+    of one chunk (n_ff 256: one partial step, 2048: 2 steps) and of two (5120: 5 steps of 4
+    super-blocks, chunks of 4 steps). slots_rows > 0: moe_down_decode_slots with that many rows per
+    block (_R_DOWN_SLOTS; 10 leaves a partial last block of the 384 rows; at 5120 the launch falls
+    back to moe_down_decode)."""
+    moe_knobs(_R_DOWN_SLOTS=slots_rows)
     rng = _rng(12)
     n_used, n_embd = 6, 384
     down = TD.random_weights(F.Q2_K, (n_used, n_embd, n_ff), rng)
@@ -573,10 +651,12 @@ def test_hc_post_rounds_as_the_cpu_engine():
             f"n_hc {n_hc}: {np.count_nonzero(got != want)} of {got.size} values differ"
 
 
-def test_hc_post_epilogues_equal_hc_post(experts):
+@pytest.mark.parametrize("slots_rows", [0, 8], ids=["down", "down-slots"])
+def test_hc_post_epilogues_equal_hc_post(experts, slots_rows, moe_knobs):
     """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec: split-K 2
-    at the model's shape, 8 on a small one; the MoE down kernel) leaves the outputs unchanged and
-    the state bit for bit as hc_post."""
+    at the model's shape, 8 on a small one; the MoE down kernel, or moe_down_decode_slots with
+    slots_rows > 0) leaves the outputs unchanged and the state bit for bit as hc_post."""
+    moe_knobs(_R_DOWN_SLOTS=slots_rows)
     rng = _rng(95)
     for n_embd, Kd, n_hc in ((N_EMBD, 8192, 4), (256, 1024, 4), (256, 512, 2)):
         w = TD.random_weights(F.Q8_0, (n_embd, Kd), rng)

@@ -1,0 +1,147 @@
+"""The MoE decode variants of kernels/cuda.py in numba's CUDA simulator, no GPU needed: gate/up with
+a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) and the slots down
+kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
+bit. This checks their indexing and operation order (both sides run the same simulated
+arithmetic: the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
+
+The simulator has no warp shuffles: shfl_xor_sync is a rendezvous of the warp's 32 threads. The
+activations are quantized by the CPU twin (kernels/cpu.py, the same bits as quantize_q8_k).
+Slow (Python threads): small shapes.
+
+    python scripts/check_moe_decode_sim.py       (sets NUMBA_ENABLE_CUDASIM itself)
+"""
+import os
+import sys
+import threading
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"      # before numba is imported
+
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba.cuda.simulator import kernelapi  # noqa: E402
+
+from ds4py.kernels import cpu, formats as F, testdata as TD  # noqa: E402
+from ds4py.kernels import cuda as K  # noqa: E402
+
+_lock = threading.Lock()
+_warps = {}
+
+
+def _shfl_xor_sync(self, mask, value, lane_mask):
+    t = threading.current_thread()
+    b = t.blockIdx
+    key = (b.x, b.y, b.z, t.thread_id // 32)
+    with _lock:
+        w = _warps.get(key)
+        if w is None:
+            w = _warps[key] = (threading.Barrier(32), [None] * 32)
+    bar, vals = w
+    lane = t.thread_id % 32
+    vals[lane] = value
+    bar.wait()
+    v = vals[lane ^ int(lane_mask)]
+    bar.wait()
+    return v
+
+
+kernelapi.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+
+
+def _views(arena):
+    """_arena_views for the simulator's arrays (no is_cuda_array, no device-side view)."""
+    h = arena.copy_to_host()
+    n = h.size
+    return (cuda.to_device(h[:n // 2 * 2].view(np.uint16)), cuda.to_device(h[:n // 4 * 4].view(np.uint32)),
+            arena, cuda.to_device(h[:n // 8 * 8].view(np.uint64)))
+
+
+K._arena_views = _views
+K._as_i32 = lambda a: cuda.to_device(a.copy_to_host().reshape(-1).view(np.int32))
+
+
+def _arena(parts, align=256):
+    offs, pos = [], 0
+    for w in parts:
+        pos = (pos + align - 1) // align * align
+        offs.append(pos)
+        pos += w.size
+    host = np.zeros(pos + 64, np.uint8)
+    for w, o in zip(parts, offs):
+        host[o:o + w.size] = w.reshape(-1)
+    return cuda.to_device(host), offs
+
+
+def _q8k(x):
+    q, d, b = cpu.quantize_q8_k(np.ascontiguousarray(x, np.float32).reshape(-1))
+    return cuda.to_device(q), cuda.to_device(d), cuda.to_device(b)
+
+
+def _knobs(**kw):
+    for n, v in kw.items():
+        setattr(K, n, v)
+    K._KERNELS.clear()
+    K._ROWDOTS.clear()
+
+
+def gate_up(n_embd, n_ff, n_used, seed):
+    rng = np.random.default_rng(seed)
+    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    arena, (og, ou) = _arena([gate, up])
+    stride = gate.shape[1] * gate.shape[2]
+    so = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
+    xq, xd, xbs = _q8k(rng.standard_normal(n_embd))
+    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
+    mid = cuda.device_array((n_used, n_ff), np.float32)
+    K.moe_gate_up(arena, so, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, mid, bsums=xbs)
+    return (mid.copy_to_host(),)
+
+
+def down(n_ff, n_embd, n_used, seed, hc=False):
+    rng = np.random.default_rng(seed)
+    w = TD.random_weights(F.Q2_K, (n_used, n_embd, n_ff), rng)
+    arena, (od,) = _arena([w])
+    stride = w.shape[1] * w.shape[2]
+    so = cuda.to_device(np.array([[0, 0, od + k * stride] for k in range(n_used)], np.int64))
+    mq, md, mbs = _q8k(rng.standard_normal(n_used * n_ff))
+    out = cuda.device_array(n_embd, np.float32)
+    hc_args = None
+    if hc:
+        hc_args = (cuda.to_device(rng.standard_normal((4, n_embd)).astype(np.float32)),
+                   cuda.to_device(rng.standard_normal(n_embd).astype(np.float32)),
+                   cuda.to_device(rng.standard_normal(4).astype(np.float32)),
+                   cuda.to_device(rng.standard_normal(16).astype(np.float32)))
+    K.moe_down(arena, so, F.Q2_K, n_ff, n_embd, mq, md, mbs, out, hc=hc_args)
+    return (out.copy_to_host(),) + ((hc_args[0].copy_to_host(),) if hc else ())
+
+
+def main():
+    bad = 0
+    # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
+    # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
+    for n_embd, nch, x_regs in ((1024, 0, True), (768, 0, True), (4608, 0, True), (4608, 1, True),
+                                (4096, 2, True), (4096, 2, False)):
+        _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True)
+        ref = gate_up(n_embd, 3, 2, 5)
+        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 5), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up const steps: K {n_embd}, nch {nch or 'auto'}, "
+              f"x {'registers' if x_regs else 'shared'}", flush=True)
+    # (n_ff, n_embd rows, R rows per block, HC epilogue): a partial step (256), 2 steps (512: 2
+    # super-blocks; 2048: 8), 3 steps (768); partial last blocks
+    for n_ff, n_embd, R, hc in ((256, 5, 2, False), (512, 7, 3, False), (2048, 3, 2, False),
+                                (768, 4, 4, False), (512, 7, 3, True)):
+        _knobs(_R_DOWN_SLOTS=0, _NW_DOWN=2)
+        ref = down(n_ff, n_embd, 3, 6, hc)
+        _knobs(_R_DOWN_SLOTS=R)
+        ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} down slots: K {n_ff}, {n_embd} rows, R {R}{', HC post' if hc else ''}",
+              flush=True)
+    print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
