@@ -10,11 +10,12 @@ was host-bound. Slicing a device array costs about as much again (numba recomput
 memo: keyed by the dispatcher, the launch configuration and the identity of each argument (the
 value of each scalar), it remembers the compiled kernel and its marshalled arguments after the
 first launch through numba, and relaunches through cuda.core directly. Each entry holds weak
-references to the objects whose ids are in its key and is dropped when one of them dies, before
-its id can be reused: nothing is kept alive, no stale pointer is launched. Host arrays (numba copies
-them to the device on every call), objects that are not numba device arrays, launch-config-
-sensitive and debug kernels always take numba's own path. `view(array, key, make)` memoizes the
-views the hot paths pass, so that their launches hit the memo too.
+references to the objects whose ids are in its key (the dispatcher too: kernel caches get
+cleared) and is dropped when one of them dies, before its id can be reused: nothing is kept
+alive, no stale pointer or kernel is launched. Host arrays (numba copies them to the device on
+every call), objects that are not numba device arrays, launch-config-sensitive and debug kernels
+always take numba's own path. `view(array, key, make)` memoizes the views the hot paths pass, so
+that their launches hit the memo too.
 """
 
 import weakref
@@ -115,7 +116,7 @@ def _entry(key, dispatcher, config, configured, args):
         kernel._prepare_args(ty, value, configured.stream, retr, kernelargs)
     if retr:
         return _SLOW
-    held = [a for a in args if isinstance(a, _DeviceNDArray)]
+    held = [dispatcher] + [a for a in args if isinstance(a, _DeviceNDArray)]   # (kernel caches are cleared)
     held += [c for c in config if not (c is None or isinstance(c, (int, tuple)))]
     entry = _Entry()
     try:

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
 # One device call for the end of a session (carry [".whl", ".data"]): the GPU tests, then the engine
-# bench (BENCH_ARGS), then, with PROFILE_CHUNK set, the per-kernel ncu profile of a 512-token
-# prefill chunk ending at position 2,047 (~420 s in all with a cold start, session 12).
+# bench (BENCH_ARGS), then whatever of these fits before DEADLINE_S seconds (default 540) have
+# passed since the start, in this order: KBENCH_PARTS (scripts/bench_kernels.py parts, e.g.
+# tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of the bench's
+# prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk ending at 2,047).
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+T0=$(date +%s)
+left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - T0) )); }
+budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1)
 timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings > $OUT/gpu_tests.log 2>&1
 grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
-BENCH_S=${BENCH_S:-280} bash scripts/device-engine.sh bench
-if [ -n "${PROFILE_CHUNK:-}" ]; then
+BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
+if [ -n "${KBENCH_PARTS:-}" ] && [ "$(left)" -gt 40 ]; then
+  timeout $(budget ${KBENCH_S:-120}) python3 scripts/bench_kernels.py --out $OUT/kernel_bench.json \
+    --parts $KBENCH_PARTS > $OUT/kernel_bench.log 2>&1
+  grep -E "bits|BITS|us|copy" $OUT/kernel_bench.log | tail -${KBENCH_LINES:-30}
+fi
+if [ -n "${BENCH_LIKE:-}" ] && [ "$(left)" -gt 40 ]; then
+  timeout $(budget 90) python3 scripts/prefill_timing.py --bench-like 2>&1 | grep -v Warn > $OUT/bench_like.log
+  grep -E "prefill|probe|again" $OUT/bench_like.log
+fi
+if [ -n "${PROFILE_CHUNK:-}" ] && [ "$(left)" -gt 60 ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  timeout ${PROFILE_S:-150} $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+  timeout $(budget ${PROFILE_S:-150}) $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 scripts/profile_step.py --prompt 1535 --prefill 512 > $OUT/ncu_prefill.csv 2>/dev/null
   python3 scripts/profile_step.py --summarize $OUT/ncu_prefill.csv > $OUT/prefill_kernels.txt
   head -14 $OUT/prefill_kernels.txt
 fi
+echo "device-final: $(( $(date +%s) - T0 )) s"
