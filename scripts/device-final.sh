@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the end of a session (carry [".whl", ".data"]): the GPU tests, then the engine
 # bench (BENCH_ARGS), then whatever of these fits before DEADLINE_S seconds (default 540) have
-# passed since the start, in this order: KBENCH_PARTS (scripts/bench_kernels.py parts, e.g.
+# passed since the start, in this order: DECODE_AB (scripts/decode_ab.py, knob sets separated by
+# ';'), KBENCH_PARTS (scripts/bench_kernels.py parts, e.g.
 # tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of the bench's
 # prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk ending at 2,047).
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
@@ -12,6 +13,12 @@ budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1
 timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings > $OUT/gpu_tests.log 2>&1
 grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
 BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
+if [ -n "${DECODE_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated knob sets
+  IFS=';' read -ra sets <<< "$DECODE_AB"
+  timeout $(budget 100) python3 scripts/decode_ab.py --reps 2 $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
+    | grep -v Warn > $OUT/decode_ab.log
+  grep -E "step ms" $OUT/decode_ab.log
+fi
 if [ -n "${KBENCH_PARTS:-}" ] && [ "$(left)" -gt 40 ]; then
   timeout $(budget ${KBENCH_S:-120}) python3 scripts/bench_kernels.py --out $OUT/kernel_bench.json \
     --parts $KBENCH_PARTS > $OUT/kernel_bench.log 2>&1
