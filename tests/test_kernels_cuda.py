@@ -293,29 +293,28 @@ def test_moe_decode_matches_cpu(experts, clamp):
 
 
 @pytest.mark.parametrize("x_regs,split", [(True, False), (False, True), (False, False)])
-def test_moe_gate_up_variants_give_the_same_bits(experts, x_regs, split):
+def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, split):
     """The gate/up decode kernel with x in registers or staged in shared memory and with either
     IQ2_XXS sign arithmetic (negated bytes, or dot(g, x) - 2 dot(g & m, x)): the same integers and
     the same f32 order, so the same bits as the shipped settings."""
-    rng = _rng(11)
+    _assert_moe_decode_bits_unchanged(experts, 11, lambda: moe_knobs(_X_REGS_GATE_UP=x_regs,
+                                                                       _IQ2_SPLIT_SIGNS=split))
+
+
+def _assert_moe_decode_bits_unchanged(experts, seed, set_knobs):
+    """mid and the MoE output of one decode step with the shipped kernels, then again after
+    set_knobs(): bitwise equal."""
+    rng = _rng(seed)
     x = rng.standard_normal(N_EMBD).astype(np.float32)
     ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
     rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
     ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
     y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
     mid_ref = ws.mid.copy_to_host()
-    saved = K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS
-    try:
-        K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS = x_regs, split
-        K._KERNELS.clear()
-        K._ROWDOTS.clear()
-        y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
-        assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
-        assert np.array_equal(y, y_ref)
-    finally:
-        K._X_REGS_GATE_UP, K._IQ2_SPLIT_SIGNS = saved
-        K._KERNELS.clear()
-        K._ROWDOTS.clear()
+    set_knobs()
+    y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
+    assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
+    assert np.array_equal(y, y_ref)
 
 
 @pytest.fixture
@@ -366,18 +365,8 @@ def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_r
     """_CONST_STEPS_GATE_UP (the row's step count a compile-time constant, chunks of nch steps)
     against the shipped gate/up kernel: the same loads, integers and f32 order, so mid and the MoE
     output are the same bits."""
-    rng = _rng(13)
-    x = rng.standard_normal(N_EMBD).astype(np.float32)
-    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
-    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
-    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
-    y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
-    mid_ref = ws.mid.copy_to_host()
-    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw,
-              _X_REGS_GATE_UP=x_regs)
-    y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
-    assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
-    assert np.array_equal(y, y_ref)
+    _assert_moe_decode_bits_unchanged(experts, 13, lambda: moe_knobs(
+        _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _X_REGS_GATE_UP=x_regs))
 
 
 @pytest.mark.parametrize("n_embd", [768, 1024, 4608])
