@@ -1875,23 +1875,57 @@ def mma_row_perm(n):
 
 
 @cuda.jit(device=True)
-def stage_tile_mma(tile, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+def mma_row_source(v, n_raw, raw_base, cap, selected, use_selected):
+    """row_source without branches (so that a group of rows' loads can issue together): (True,
+    ring slot) for visible row v < n_raw, else (False, compressed row). raw_base = first_raw % cap
+    (v < n_raw <= cap); the selection is read at a clamped index either way."""
+    slot = raw_base + v
+    if slot >= cap:
+        slot -= cap
+    k = v - n_raw
+    chosen = int64(selected[uint64(min(max(k, 0), selected.shape[0] - 1))])
+    comp_row = chosen if use_selected else k
+    raw = v < n_raw
+    return raw, slot if raw else comp_row
+
+
+ATTN_MMA_GROUP = 4                          # rows a warp loads at once when staging (64 loads in flight)
+ATTN_MMA_GROUP_VALS = ATTN_MMA_GROUP * ATTN_MMA_DIM // 32
+ATTN_MMA_ROUNDS = ATTN_MMA_TILE // (ATTN_MMA_WARPS * ATTN_MMA_GROUP)
+
+
+@cuda.jit(device=True)
+def stage_tile_mma(tile, tile_begin, n_tile, n_raw, raw_base, raw_cache, comp_cache, selected,
                    use_selected):
     """Visible rows tile_begin .. +n_tile as f16 (exact), 4 dims per 64-bit word: warp w copies
-    tile rows w, w + 4, ...; lane l words l + 32j. Slots past n_tile repeat the last row."""
+    tile rows w + 4i; lane l words l + 32j. A round loads ATTN_MMA_GROUP rows (all their loads
+    first, then the conversions and stores). Slots past n_tile repeat the last row."""
     warp = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
     cap = raw_cache.shape[0]
-    for i in range(ATTN_MMA_TILE // ATTN_MMA_WARPS):
-        r = warp + ATTN_MMA_WARPS * i
-        raw, src = row_source(tile_begin + min(r, n_tile - 1), n_raw, first_raw, cap, selected,
-                              use_selected)
-        row = raw_cache[src] if raw else comp_cache[src]
-        for j in range(ATTN_MMA_DIM // 128):
-            c = lane + 32 * j
-            lo = pack_f16x2(row[uint64(4 * c)], row[uint64(4 * c + 1)])
-            hi = pack_f16x2(row[uint64(4 * c + 2)], row[uint64(4 * c + 3)])
-            tile[uint64(r), uint64(c)] = uint64(lo) | (uint64(hi) << uint64(32))
+    for h in range(ATTN_MMA_ROUNDS):
+        vals = cuda.local.array(ATTN_MMA_GROUP_VALS, float32)
+        srcs = cuda.local.array(ATTN_MMA_GROUP, int64)
+        raws = cuda.local.array(ATTN_MMA_GROUP, int32)
+        for i in range(ATTN_MMA_GROUP):         # the sources first: the selection's loads together
+            r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
+            raw, src = mma_row_source(tile_begin + min(r, n_tile - 1), n_raw, raw_base, cap, selected,
+                                      use_selected)
+            srcs[i] = src
+            raws[i] = 1 if raw else 0
+        for i in range(ATTN_MMA_GROUP):
+            row = raw_cache[srcs[i]] if raws[i] != 0 else comp_cache[srcs[i]]
+            for j in range(ATTN_MMA_DIM // 128):
+                c = lane + 32 * j
+                for e in range(4):
+                    vals[16 * i + 4 * j + e] = row[uint64(4 * c + e)]
+        for i in range(ATTN_MMA_GROUP):
+            r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
+            for j in range(ATTN_MMA_DIM // 128):
+                v = 16 * i + 4 * j
+                lo = pack_f16x2(vals[v], vals[v + 1])
+                hi = pack_f16x2(vals[v + 2], vals[v + 3])
+                tile[uint64(r), uint64(lane + 32 * j)] = uint64(lo) | (uint64(hi) << uint64(32))
 
 
 @cuda.jit(device=True)
@@ -1951,9 +1985,10 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
     # this lane's S rows (tile rows of its C columns 2c, 2c+1 in fragment 0) and its P·V B rows
     row_a = mma_row_perm(2 * tig)
     row_b = mma_row_perm(2 * tig + 1)
+    raw_base = first_raw % raw_cache.shape[0]
     for tile_begin in range(0, n_rows, ATTN_MMA_TILE):
         n_tile = min(ATTN_MMA_TILE, n_rows - tile_begin)
-        stage_tile_mma(tile, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+        stage_tile_mma(tile, tile_begin, n_tile, n_raw, raw_base, raw_cache, comp_cache, selected,
                        use_selected)
         cuda.syncthreads()
         for i in range(4 * ATTN_MMA_NF):
