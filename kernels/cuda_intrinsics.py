@@ -27,6 +27,11 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   x stays in f16's normal range, ~2^-25 absolute below it.
 * ``halves_lo(a, b)``, ``halves_hi(a, b)``: the low (high) f16 halves of a and b as one word, a's
   in the low half (PTX prmt.b32 with selector 0x5410 / 0x7632).
+* ``ld_f32x4_pick(a, b, pick_a, index)``: the 4 floats at flat element index .. index + 3 of the
+  C-contiguous f32 array a (pick_a) or b, in one 16-byte load through the read-only path (PTX
+  ld.global.nc.v4.f32; index a multiple of 4, the arrays 16-byte aligned, neither written by the
+  kernel). The pointer is chosen before the load, so a kernel staging rows from either of two
+  caches issues one unconditional load per 4 values.
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -150,6 +155,11 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def halves_lo(a, b):
         return np.uint32((int(a) & 0xFFFF) | ((int(b) & 0xFFFF) << 16))
+
+    def ld_f32x4_pick(a, b, pick_a, index):
+        arr = a if pick_a else b
+        row, col = divmod(int(index), arr.shape[1])
+        return tuple(np.float32(arr[row, col + k]) for k in range(4))
 
     def halves_hi(a, b):
         return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
@@ -309,6 +319,29 @@ else:
             return context.make_tuple(builder, signature.return_type, parts)
 
         return types.UniTuple(types.uint32, 2)(x0, x1), codegen
+
+    @intrinsic
+    def ld_f32x4_pick(typingctx, a, b, pick_a, index):
+        if not (isinstance(a, types.Array) and a == b and a.dtype == types.float32 and a.layout == "C"
+                and isinstance(pick_a, types.Boolean) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            arr_t = signature.args[0]
+            ary_a = context.make_array(arr_t)(context, builder, args[0])
+            ary_b = context.make_array(arr_t)(context, builder, args[1])
+            base = builder.select(args[2], ary_a.data, ary_b.data)
+            idx = context.cast(builder, args[3], signature.args[3], types.int64)
+            addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(64)])
+            asm = ("{ .reg .u64 g; cvta.to.global.u64 g, $4; "
+                   "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [g]; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=f,=f,=f,=f,l"), [addr])
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.float32, 4)(a, b, pick_a, index), codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

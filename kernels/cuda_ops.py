@@ -30,8 +30,8 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, mma_f16_acc, mul_rn, pdl_enter,
-                                           split_f16x2, pack_f16x2)
+from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc, mul_rn,
+                                           pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -1849,7 +1849,8 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
 #   P·V:   B = rows x dims: for a lane, dims 4j .. 4j+3 of two rows are two 64-bit words, and byte
 #          permutes give the b0 of four n-fragments at once (fragment q of group m: column n is
 #          dim 4(32w + 8m + n) + q), so lane (g, c) holds dims 128w + 32m + 8c + q (c0) and + 4 (c1).
-# Three barriers per tile. Padded slots of the last tile repeat the last row (finite) and get
+# Three barriers per tile; the first staging round of the next tile is in flight during P·V.
+# Padded slots of the last tile repeat the last row (finite) and get
 # weight 0.
 
 ATTN_PREFILL_MMA = True      # the engine's prefill (T > 1, head_dim 512) takes attention_prefill_mma
@@ -1895,37 +1896,46 @@ ATTN_MMA_ROUNDS = ATTN_MMA_TILE // (ATTN_MMA_WARPS * ATTN_MMA_GROUP)
 
 
 @cuda.jit(device=True)
-def stage_tile_mma(tile, tile_begin, n_tile, n_raw, raw_base, raw_cache, comp_cache, selected,
-                   use_selected):
-    """Visible rows tile_begin .. +n_tile as f16 (exact), 4 dims per 64-bit word: warp w copies
-    tile rows w + 4i; lane l words l + 32j. A round loads ATTN_MMA_GROUP rows (all their loads
-    first, then the conversions and stores). Slots past n_tile repeat the last row."""
+def tile_sources_mma(src_at, src_raw, tile_begin, n_tile, n_raw, raw_base, cap, selected, use_selected):
+    """Warp 0: lane r finds where tile row r lives (slots past n_tile repeat the last row) and
+    writes its first element's flat index in its cache and whether that is the raw ring."""
+    if cuda.threadIdx.x < ATTN_MMA_TILE:
+        r = cuda.threadIdx.x
+        raw, src = mma_row_source(tile_begin + min(r, n_tile - 1), n_raw, raw_base, cap, selected,
+                                  use_selected)
+        src_at[uint64(r)] = src * ATTN_MMA_DIM
+        src_raw[uint64(r)] = 1 if raw else 0
+
+
+@cuda.jit(device=True)
+def load_round_mma(vals, h, src_at, src_raw, raw_cache, comp_cache):
+    """Round h of staging a tile: this thread's values of tile rows w + 4(4h + i), i < 4 (warp w),
+    words l + 32j (lane l), into vals (registers): 16 loads of 16 bytes, from the rows' sources
+    (tile_sources_mma)."""
     warp = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
-    cap = raw_cache.shape[0]
-    for h in range(ATTN_MMA_ROUNDS):
-        vals = cuda.local.array(ATTN_MMA_GROUP_VALS, float32)
-        srcs = cuda.local.array(ATTN_MMA_GROUP, int64)
-        raws = cuda.local.array(ATTN_MMA_GROUP, int32)
-        for i in range(ATTN_MMA_GROUP):         # the sources first: the selection's loads together
-            r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
-            raw, src = mma_row_source(tile_begin + min(r, n_tile - 1), n_raw, raw_base, cap, selected,
-                                      use_selected)
-            srcs[i] = src
-            raws[i] = 1 if raw else 0
-        for i in range(ATTN_MMA_GROUP):
-            row = raw_cache[srcs[i]] if raws[i] != 0 else comp_cache[srcs[i]]
-            for j in range(ATTN_MMA_DIM // 128):
-                c = lane + 32 * j
-                for e in range(4):
-                    vals[16 * i + 4 * j + e] = row[uint64(4 * c + e)]
-        for i in range(ATTN_MMA_GROUP):
-            r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
-            for j in range(ATTN_MMA_DIM // 128):
-                v = 16 * i + 4 * j
-                lo = pack_f16x2(vals[v], vals[v + 1])
-                hi = pack_f16x2(vals[v + 2], vals[v + 3])
-                tile[uint64(r), uint64(lane + 32 * j)] = uint64(lo) | (uint64(hi) << uint64(32))
+    for i in range(ATTN_MMA_GROUP):
+        r = uint64(warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i))
+        at = uint64(src_at[r] + 4 * lane)
+        raw = src_raw[r] != 0
+        for j in range(ATTN_MMA_DIM // 128):
+            v = 16 * i + 4 * j
+            vals[v], vals[v + 1], vals[v + 2], vals[v + 3] = ld_f32x4_pick(
+                raw_cache, comp_cache, raw, at + uint64(128 * j))
+
+
+@cuda.jit(device=True)
+def store_round_mma(tile, vals, h):
+    """Round h's values (load_round_mma) as f16 (exact), 4 dims per 64-bit word of the tile."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    for i in range(ATTN_MMA_GROUP):
+        r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
+        for j in range(ATTN_MMA_DIM // 128):
+            v = 16 * i + 4 * j
+            lo = pack_f16x2(vals[v], vals[v + 1])
+            hi = pack_f16x2(vals[v + 2], vals[v + 3])
+            tile[uint64(r), uint64(lane + 32 * j)] = uint64(lo) | (uint64(hi) << uint64(32))
 
 
 @cuda.jit(device=True)
@@ -1952,7 +1962,6 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
     tig = lane & 3
     head0 = cuda.blockIdx.x * ATTN_MMA_HEADS
     t = cuda.blockIdx.z
-    q = q_all[t]
     n_raw, first_raw, n_rows = visible_rows(pos_buf[t], n_swa, ratio, use_selected, n_selected[t])
     selected = selected_all[t]
     tile = cuda.shared.array((ATTN_MMA_TILE, ATTN_MMA_WORDS), uint64)
@@ -1965,9 +1974,10 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
     for ks in range(8):
         d = 128 * warp + 16 * ks + 4 * tig
         for hh in range(2):
-            base = (head0 + g + 8 * hh) * ATTN_MMA_DIM + d
-            h01, l01 = split_f16x2(q[uint64(base)], q[uint64(base + 1)])
-            h23, l23 = split_f16x2(q[uint64(base + 2)], q[uint64(base + 3)])
+            base = uint64(t * q_all.shape[1] + (head0 + g + 8 * hh) * ATTN_MMA_DIM + d)
+            x0, x1, x2, x3 = ld_f32x4_pick(q_all, q_all, True, base)
+            h01, l01 = split_f16x2(x0, x1)
+            h23, l23 = split_f16x2(x2, x3)
             qh[4 * ks + hh] = h01
             ql[4 * ks + hh] = l01
             qh[4 * ks + 2 + hh] = h23
@@ -1986,11 +1996,29 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
     row_a = mma_row_perm(2 * tig)
     row_b = mma_row_perm(2 * tig + 1)
     raw_base = first_raw % raw_cache.shape[0]
+    # the tile's rows as f16 in shared memory (stage rounds of 4 rows per warp). Warp 0 finds the
+    # next tile's row sources during this tile's S (read after the S barrier); round 0 of the next
+    # tile is loaded into registers before this tile's P·V, whose MMAs hide its latency, and stored
+    # after it; the other rounds load and store between the barriers.
+    src_at = cuda.shared.array(ATTN_MMA_TILE, int64)
+    src_raw = cuda.shared.array(ATTN_MMA_TILE, int32)
+    cap = raw_cache.shape[0]
+    tile_sources_mma(src_at, src_raw, 0, min(ATTN_MMA_TILE, n_rows), n_raw, raw_base, cap, selected,
+                     use_selected)
+    cuda.syncthreads()
+    vals = cuda.local.array(ATTN_MMA_GROUP_VALS, float32)
+    load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
     for tile_begin in range(0, n_rows, ATTN_MMA_TILE):
         n_tile = min(ATTN_MMA_TILE, n_rows - tile_begin)
-        stage_tile_mma(tile, tile_begin, n_tile, n_raw, raw_base, raw_cache, comp_cache, selected,
-                       use_selected)
+        next_begin = tile_begin + ATTN_MMA_TILE
+        store_round_mma(tile, vals, 0)
+        for h in range(1, ATTN_MMA_ROUNDS):
+            load_round_mma(vals, h, src_at, src_raw, raw_cache, comp_cache)
+            store_round_mma(tile, vals, h)
         cuda.syncthreads()
+        if next_begin < n_rows:
+            tile_sources_mma(src_at, src_raw, next_begin, min(ATTN_MMA_TILE, n_rows - next_begin), n_raw,
+                             raw_base, cap, selected, use_selected)
         for i in range(4 * ATTN_MMA_NF):
             s[i] = float32(0.0)
         krow = mma_row_perm(g)
@@ -2030,8 +2058,11 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
             m_run[hh] = m_new
             total = float32(0.0)
             for nf in range(ATTN_MMA_NF):
-                e0 = math.exp(s[4 * nf + 2 * hh] - m_new) if 8 * nf + row_a < n_tile else float32(0.0)
-                e1 = math.exp(s[4 * nf + 2 * hh + 1] - m_new) if 8 * nf + row_b < n_tile else float32(0.0)
+                # padded slots: exp(NEG_INF - m) = 0, without a branch
+                x0 = s[4 * nf + 2 * hh] if 8 * nf + row_a < n_tile else float32(NEG_INF)
+                x1 = s[4 * nf + 2 * hh + 1] if 8 * nf + row_b < n_tile else float32(NEG_INF)
+                e0 = math.exp(x0 - m_new)
+                e1 = math.exp(x1 - m_new)
                 s[4 * nf + 2 * hh] = e0
                 s[4 * nf + 2 * hh + 1] = e1
                 total += e0 + e1
@@ -2039,6 +2070,8 @@ def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected
             for j in range(16):
                 acc[4 * j + 2 * hh] *= scale
                 acc[4 * j + 2 * hh + 1] *= scale
+        if next_begin < n_rows:
+            load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
         # acc += P·V, P = the weights as hi + lo f16 A fragments
         for kk in range(ATTN_MMA_KK):
             f0 = 4 * (2 * kk)
