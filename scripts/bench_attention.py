@@ -1,5 +1,5 @@
 """Prefill attention on the H200: attention_partial (one split, f32 FMA) against attention_prefill_mma
-(tensor cores), a 512-token chunk from position 2048 (flash shape: 64 heads x 512 dims, window 128 +
+(tensor cores; also its variant without the staging prefetch), a 512-token chunk from position 2048 (flash shape: 64 heads x 512 dims, window 128 +
 512 selected compressed rows = 640 visible rows per token). CUDA events, median of --reps launches.
 
     python scripts/bench_attention.py [--tokens 512] [--pos 2048] [--reps 20]
@@ -32,7 +32,7 @@ def main():
     args = [cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")]
     args += [inp["n_swa"], inp["ratio"], inp["use_selected"]]
     outs = {}
-    for name in ("attention_partial", "attention_prefill_mma"):
+    for name in ("attention_partial", "attention_prefill_mma", "attention_prefill_mma_no_prefetch"):
         pm = cuda.device_array((T, n_head, 1), np.float32)
         pd = cuda.device_array((T, n_head, 1), np.float32)
         pa = cuda.device_array((T, n_head, 1, head_dim), np.float32)
@@ -41,9 +41,8 @@ def main():
                 ops.attention_partial[((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, 1, T), ops.ATTN_THREADS](
                     *args, head_dim, pm, pd, pa)
         else:
-            def launch():
-                ops.attention_prefill_mma[(n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS](
-                    *args, pm, pd, pa)
+            def launch(kernel=getattr(ops, name)):
+                kernel[(n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS](*args, pm, pd, pa)
         launch()
         cuda.synchronize()
         times = []
@@ -59,11 +58,13 @@ def main():
         den = pd.copy_to_host()[:, :, 0].astype(np.float64)
         outs[name] = (m + np.log(den), pa.copy_to_host()[:, :, 0] / den[:, :, None], ms)
         flops = 2 * 2 * T * n_head * rows * head_dim
-        print(f"{name:24s} {ms:8.3f} ms  ({flops / ms / 1e9:6.1f} TFLOPS of q·k + p·v, {T} tokens x "
+        print(f"{name:34s} {ms:8.3f} ms  ({flops / ms / 1e9:6.1f} TFLOPS of q·k + p·v, {T} tokens x "
               f"{n_head} heads x {rows} rows)")
-    (l0, o0, ms0), (l1, o1, ms1) = outs["attention_partial"], outs["attention_prefill_mma"]
-    print(f"speed-up {ms0 / ms1:.2f}x; max|Δ out| / max|out| {np.max(np.abs(o1 - o0)) / np.max(np.abs(o0)):.3g}, "
-          f"max|Δ log Σexp| {np.max(np.abs(l1 - l0)):.3g}")
+    l0, o0, ms0 = outs["attention_partial"]
+    for name in ("attention_prefill_mma", "attention_prefill_mma_no_prefetch"):
+        l1, o1, ms1 = outs[name]
+        print(f"{name}: speed-up {ms0 / ms1:.2f}x; max|Δ out| / max|out| "
+              f"{np.max(np.abs(o1 - o0)) / np.max(np.abs(o0)):.3g}, max|Δ log Σexp| {np.max(np.abs(l1 - l0)):.3g}")
     if T <= 64:       # the float64 reference is slow beyond
         lse, out = TD.attention_reference(inp, head_dim)
         for name, (l_, o_, _) in outs.items():

@@ -620,7 +620,7 @@ def test_hc_post_epilogues_equal_hc_post(experts):
 
 def _attention_partials(inp, n_head, head_dim, mma):
     """(part_max, part_den, part_acc) of one split for every token of inp: attention_partial, or
-    (mma) attention_prefill_mma."""
+    the tensor-core kernel named mma (attention_prefill_mma or its no-prefetch variant)."""
     from ds4py.kernels import cuda_ops as ops
     n_tok = len(inp["pos"])
     part_max = cuda.device_array((n_tok, n_head, 1), np.float32)
@@ -629,7 +629,7 @@ def _attention_partials(inp, n_head, head_dim, mma):
     args = [cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")]
     args += [inp["n_swa"], inp["ratio"], inp["use_selected"]]
     if mma:
-        ops.attention_prefill_mma[(n_head // ops.ATTN_MMA_HEADS, 1, n_tok), ops.ATTN_MMA_THREADS](
+        getattr(ops, mma)[(n_head // ops.ATTN_MMA_HEADS, 1, n_tok), ops.ATTN_MMA_THREADS](
             *args, part_max, part_den, part_acc)
     else:
         ops.attention_partial[((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, 1, n_tok), ops.ATTN_THREADS](
@@ -638,8 +638,9 @@ def _attention_partials(inp, n_head, head_dim, mma):
     return part_max.copy_to_host()[:, :, 0], part_den.copy_to_host()[:, :, 0], part_acc.copy_to_host()[:, :, 0]
 
 
+@pytest.mark.parametrize("kernel", ["attention_prefill_mma", "attention_prefill_mma_no_prefetch"])
 @pytest.mark.parametrize("case", ["short", "tiles", "selected", "dense", "ratio128"])
-def test_attention_prefill_mma_matches_attention_partial(case):
+def test_attention_prefill_mma_matches_attention_partial(case, kernel):
     """attention_prefill_mma against attention_partial (one split) and the float64 reference, 64
     heads x 512 dims. Not the same bits: the tensor-core kernel multiplies hi + lo f16 splits of q
     and of the softmax weights (~22 bits each, the rows are exact in f16) and adds in another
@@ -667,7 +668,7 @@ def test_attention_prefill_mma_matches_attention_partial(case):
     lse_ref, out_ref = TD.attention_reference(inp, head_dim)
     results = {}
     for mma in (False, True):
-        m, den, acc = _attention_partials(inp, n_head, head_dim, mma)
+        m, den, acc = _attention_partials(inp, n_head, head_dim, kernel if mma else None)
         assert np.all(np.isfinite(acc)) and np.all(den >= 1) and np.all(den <= 2048 + 1)
         results[mma] = (m + np.log(den.astype(np.float64)), acc / den[:, :, None].astype(np.float64), m)
     tol = 1e-5
