@@ -1850,8 +1850,7 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
 #          permutes give the b0 of four n-fragments at once (fragment q of group m: column n is
 #          dim 4(32w + 8m + n) + q), so lane (g, c) holds dims 128w + 32m + 8c + q (c0) and + 4 (c1).
 # Three barriers per tile; the first staging round of the next tile is in flight during P·V.
-# Padded slots of the last tile repeat the last row (finite) and get
-# weight 0.
+# Padded slots of the last tile repeat the last row (finite) and get weight 0.
 
 ATTN_PREFILL_MMA = True      # the engine's prefill (T > 1, head_dim 512) takes attention_prefill_mma
 ATTN_MMA_HEADS = 16          # heads per block (the MMA's M)
@@ -1951,7 +1950,7 @@ def hi_word(w):
 def _attention_prefill_mma_kernel(PREFETCH):
     """attention_prefill_mma; PREFETCH: the next tile's first staging round is loaded during this
     tile's P·V (255 registers, 8 bytes spilled outside the tile loop), else at the tile's start
-    with the others (233 registers)."""
+    with the others (240 registers, no spill)."""
 
     @cuda.jit(**ATTN_MMA_JIT)
     def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
@@ -2012,7 +2011,7 @@ def _attention_prefill_mma_kernel(PREFETCH):
                          use_selected)
         cuda.syncthreads()
         vals = cuda.local.array(ATTN_MMA_GROUP_VALS, float32)
-        if PREFETCH:
+        if PREFETCH and n_rows > 0:
             load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
         for tile_begin in range(0, n_rows, ATTN_MMA_TILE):
             n_tile = min(ATTN_MMA_TILE, n_rows - tile_begin)
@@ -2138,7 +2137,6 @@ def _attention_prefill_mma_kernel(PREFETCH):
                     j = 4 * (4 * m + qd)
                     out[uint64(d0 + qd)] = acc[j + 2 * hh]
                     out[uint64(d0 + 4 + qd)] = acc[j + 2 * hh + 1]
-
 
     return attention_prefill_mma
 
