@@ -484,9 +484,16 @@ class CudaEngine:
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
             groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
             n_splits = b.part_max.shape[2]
-            ops.attention_partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
-                b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
-                s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
+            if (T > 1 and n_splits == 1 and ops.ATTN_PREFILL_MMA and s.head_dim == ops.ATTN_MMA_DIM
+                    and s.n_head % ops.ATTN_MMA_HEADS == 0):
+                # prefill: the tensor-core kernel, same partials (not the same bits)
+                ops.attention_prefill_mma[(s.n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS, st](
+                    b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
+                    s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
+            else:
+                ops.attention_partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
+                    b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
+                    s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
             if self._on("combine"):
                 ops.combine_kernel(n_splits)[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](

@@ -14,6 +14,24 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``mma_s8_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)``: the same product added to the thread's
   four int32 accumulators c0..c3 by the tensor core itself (ptxas does not fold an mma_s8 and the
   integer adds after it: four IADDs per MMA saved where a kernel sums many MMAs).
+* ``mma_f16_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)``: one warp-wide f16 tensor-core product
+  added to f32 accumulators (PTX mma.sync.m16n8k16.row.col.f32.f16.f16.f32): A 16 x 16 row-major
+  as four f16x2 words (a0: row lane/4, cols 2(lane%4) + 0/1; a1: row + 8; a2, a3: cols + 8),
+  B 16 x 8 as two f16x2 words (b0: rows 2(lane%4) + 0/1 of column lane/4; b1: rows + 8), C/D the
+  thread's four f32 (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1). The lower-indexed
+  element of each pair is the word's low half.
+* ``pack_f16x2(x0, x1)``: two f32 rounded to f16 (round to nearest even) in one word, x0 in the
+  low half (PTX cvt.rn.f16x2.f32, whose first source goes to the upper half).
+* ``split_f16x2(x0, x1)``: the pair as hi + lo f16 words: hi = pack_f16x2(x0, x1) and lo the
+  f16 rounding of the remainders x - f32(hi) (exact in f32): hi + lo carries ~22 bits of x where
+  x stays in f16's normal range, ~2^-25 absolute below it.
+* ``halves_lo(a, b)``, ``halves_hi(a, b)``: the low (high) f16 halves of a and b as one word, a's
+  in the low half (PTX prmt.b32 with selector 0x5410 / 0x7632).
+* ``ld_f32x4_pick(a, b, pick_a, index)``: the 4 floats at flat element index .. index + 3 of the
+  C-contiguous f32 array a (pick_a) or b, in one 16-byte load through the read-only path (PTX
+  ld.global.nc.v4.f32; index a multiple of 4, the arrays 16-byte aligned, neither written by the
+  kernel). The pointer is chosen before the load, so a kernel staging rows from either of two
+  caches issues one unconditional load per 4 values.
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -41,7 +59,8 @@ Numba widens every integer operation on 32-bit values to 64 bits; these keep the
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
 
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) custom intrinsics cannot run, so plain-Python
-versions with the same results are used instead.
+versions with the same results are used instead. mma_f16_acc gathers the warp's fragments at the
+simulated block barrier (so every thread of the block must make the same calls); mma_s8 has none.
 """
 
 from . import compat  # noqa: F401  (numpy shim before numba.cuda loads)
@@ -83,6 +102,67 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def mma_s8_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         raise NotImplementedError("mma_s8_acc is a warp-wide tensor-core instruction: no simulator version")
+
+    def _f16_bits(x):
+        return int(np.array([x], np.float32).astype(np.float16).view(np.uint16)[0])
+
+    def _f16_value(bits):
+        return np.float32(np.array([bits & 0xFFFF], np.uint16).view(np.float16)[0])
+
+    def _warp_gather(value):
+        """The values of the 32 lanes of this thread's warp (every thread of the block must call
+        it the same number of times: it waits at the simulated block barrier twice)."""
+        import threading
+        th = threading.current_thread()
+        slots = th._manager.__dict__.setdefault("_ds4py_warp_slots", {})
+        slots[th.thread_id] = value
+        th.syncthreads()
+        base = th.thread_id - th.thread_id % 32
+        values = [slots[base + lane] for lane in range(32)]
+        th.syncthreads()
+        return values
+
+    def mma_f16_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The warp's m16n8k16 product from the PTX fragment layout, summed in float64 and rounded
+        to f32 once (the tensor core rounds differently, within the same tolerance)."""
+        lanes = _warp_gather((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        C = np.zeros((16, 8))
+        for lane, v in enumerate(lanes):
+            g, c = lane >> 2, lane & 3
+            for i, (r, k) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
+                A[r, k] = _f16_value(int(v[i]))
+                A[r, k + 1] = _f16_value(int(v[i]) >> 16)
+            for i, k in enumerate((2 * c, 2 * c + 8)):
+                B[k, g] = _f16_value(int(v[4 + i]))
+                B[k + 1, g] = _f16_value(int(v[4 + i]) >> 16)
+            C[g, 2 * c], C[g, 2 * c + 1], C[g + 8, 2 * c], C[g + 8, 2 * c + 1] = v[6:10]
+        D = (A @ B + C).astype(np.float32)
+        import threading
+        lane = threading.current_thread().thread_id % 32
+        g, c = lane >> 2, lane & 3
+        return D[g, 2 * c], D[g, 2 * c + 1], D[g + 8, 2 * c], D[g + 8, 2 * c + 1]
+
+    def pack_f16x2(x0, x1):
+        return np.uint32(_f16_bits(x0) | (_f16_bits(x1) << 16))
+
+    def split_f16x2(x0, x1):
+        hi = int(pack_f16x2(x0, x1))
+        r0 = np.float32(np.float32(x0) - _f16_value(hi))
+        r1 = np.float32(np.float32(x1) - _f16_value(hi >> 16))
+        return np.uint32(hi), pack_f16x2(r0, r1)
+
+    def halves_lo(a, b):
+        return np.uint32((int(a) & 0xFFFF) | ((int(b) & 0xFFFF) << 16))
+
+    def ld_f32x4_pick(a, b, pick_a, index):
+        arr = a if pick_a else b
+        row, col = divmod(int(index), arr.shape[1])
+        return tuple(np.float32(arr[row, col + k]) for k in range(4))
+
+    def halves_hi(a, b):
+        return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -181,6 +261,88 @@ else:
 
         return types.UniTuple(types.int32, 4)(*args), codegen
 
+    _MMA_F16 = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+    @intrinsic
+    def mma_f16_acc(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        words = (a0, a1, a2, a3, b0, b1)
+        accs = (c0, c1, c2, c3)
+        if not (all(isinstance(t, types.Integer) for t in words)
+                and all(isinstance(t, types.Float) for t in accs)):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            n = len(words)
+            vals = [_i32(context, builder, v, t) for v, t in zip(llargs[:n], signature.args[:n])]
+            vals += [context.cast(builder, v, t, types.float32)
+                     for v, t in zip(llargs[n:], signature.args[n:])]
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            cons = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+            res = builder.call(ir.InlineAsm(fnty, _MMA_F16, cons), vals)
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.float32, 4)(*(words + accs)), codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, x0, x1):
+        if not all(isinstance(t, types.Float) for t in (x0, x1)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2)
+            return builder.call(ir.InlineAsm(fnty, "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f"), vals)
+
+        return types.uint32(x0, x1), codegen
+
+    _SPLIT_F16X2 = ("{ .reg .b16 h0, h1; .reg .f32 y0, y1; "
+                    "cvt.rn.f16x2.f32 $0, $3, $2; "
+                    "mov.b32 {h0, h1}, $0; "
+                    "cvt.f32.f16 y0, h0; cvt.f32.f16 y1, h1; "
+                    "sub.rn.f32 y0, $2, y0; sub.rn.f32 y1, $3, y1; "
+                    "cvt.rn.f16x2.f32 $1, y1, y0; }")
+
+    @intrinsic
+    def split_f16x2(typingctx, x0, x1):
+        if not all(isinstance(t, types.Float) for t in (x0, x1)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 2), [ir.FloatType()] * 2)
+            res = builder.call(ir.InlineAsm(fnty, _SPLIT_F16X2, "=&r,=r,f,f"), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.uint32, 2)(x0, x1), codegen
+
+    @intrinsic
+    def ld_f32x4_pick(typingctx, a, b, pick_a, index):
+        if not (isinstance(a, types.Array) and a == b and a.dtype == types.float32 and a.layout == "C"
+                and isinstance(pick_a, types.Boolean) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            arr_t = signature.args[0]
+            ary_a = context.make_array(arr_t)(context, builder, args[0])
+            ary_b = context.make_array(arr_t)(context, builder, args[1])
+            base = builder.select(args[2], ary_a.data, ary_b.data)
+            idx = context.cast(builder, args[3], signature.args[3], types.int64)
+            addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(64)])
+            asm = ("{ .reg .u64 g; cvta.to.global.u64 g, $4; "
+                   "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [g]; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=f,=f,=f,=f,l"), [addr])
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.float32, 4)(a, b, pick_a, index), codegen
+
     @intrinsic
     def negate_bytes(typingctx, g, nibble):
         if not all(isinstance(t, types.Integer) for t in (g, nibble)):
@@ -257,6 +419,8 @@ else:
     masked_negate = _binary_asm("masked_negate", types.uint32,
                                 "{ .reg .b32 t, o; xor.b32 o, $1, $2; and.b32 t, $2, 0x01010101; "
                                 "add.u32 $0, o, t; }")
+    halves_lo = _binary_asm("halves_lo", types.uint32, "prmt.b32 $0, $1, $2, 0x5410;")
+    halves_hi = _binary_asm("halves_hi", types.uint32, "prmt.b32 $0, $1, $2, 0x7632;")
     byte_mask = _unary_asm("byte_mask", types.uint32,
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,

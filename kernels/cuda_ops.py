@@ -30,7 +30,8 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import add_rn, mul_rn, pdl_enter
+from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc, mul_rn,
+                                           pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -1822,6 +1823,326 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
             zeros[k] = float32(0.0)
         store_acc(zeros, part_acc, group, split, head_dim)
 
+
+# ---- prefill attention on the tensor cores -------------------------------------------------------
+#
+# attention_prefill_mma computes what attention_partial computes with one split, for head_dim 512,
+# with mma.sync m16n8k16 (f16 in, f32 accumulate). Block = (16 heads, token): M = the 16 heads.
+# The visible rows are exact in f16; q and the softmax weights p are f32, so each is split as
+# hi + lo f16 (split_f16x2) and multiplied twice (S = q_hi·K + q_lo·K, acc += p_hi·V + p_lo·V):
+# ~22 bits, like the f32 FMA kernel, not the same bits.
+#
+# 4 warps; warp w owns dims 128w .. 128w+127: its q fragments (hi and lo, 64 words) stay in
+# registers for the whole block, and so do its 16 x 128 output sums (16 n-fragments x 4 f32).
+# Per tile of ATTN_MMA_TILE rows:
+#   stage: the rows as f16, 4 dims to a 64-bit word, row stride ATTN_MMA_WORDS words (264 32-bit
+#          words: conflict-free 64-bit loads per half-warp below);
+#   S:     warp w's partial S over its dims: per k-step of 16 dims one 64-bit load gives b0 and b1.
+#          The k order inside a step is permuted (logical k 2c, 2c+1 / 2c+8, 2c+9 = dims 4c .. 4c+3)
+#          and q's fragments use the same order, so the dot is unchanged. Column n of S fragment f
+#          is tile row 8f + mma_row_perm(n) (a permutation that keeps the P·V loads below free of
+#          bank conflicts);
+#   sum:   the 4 partials through shared memory, added in warp order by every warp, so all warps
+#          hold the same S bits (and the same max, weights and Σexp);
+#   softmax in registers: S's C fragments (head g / g+8, two columns) are P's A fragments; the
+#          max per head over the quad's lanes (shuffles xor 1, 2);
+#   P·V:   B = rows x dims: for a lane, dims 4j .. 4j+3 of two rows are two 64-bit words, and byte
+#          permutes give the b0 of four n-fragments at once (fragment q of group m: column n is
+#          dim 4(32w + 8m + n) + q), so lane (g, c) holds dims 128w + 32m + 8c + q (c0) and + 4 (c1).
+# Three barriers per tile; the first staging round of the next tile is in flight during P·V.
+# Padded slots of the last tile repeat the last row (finite) and get weight 0.
+
+ATTN_PREFILL_MMA = True      # the engine's prefill (T > 1, head_dim 512) takes attention_prefill_mma
+ATTN_MMA_HEADS = 16          # heads per block (the MMA's M)
+ATTN_MMA_WARPS = 4
+ATTN_MMA_THREADS = 32 * ATTN_MMA_WARPS
+ATTN_MMA_DIM = 512           # the one head_dim it handles (128 dims per warp)
+ATTN_MMA_TILE = 32           # rows per tile (a multiple of 16)
+ATTN_MMA_NF = ATTN_MMA_TILE // 8       # S n-fragments per tile
+ATTN_MMA_KK = ATTN_MMA_TILE // 16      # P·V k-steps per tile
+ATTN_MMA_WORDS = ATTN_MMA_DIM // 4 + 4  # 64-bit words per staged row, 4 of them padding
+ATTN_MMA_S = 4 * ATTN_MMA_NF          # S values a thread holds (4 per fragment)
+ATTN_MMA_SRED = ATTN_MMA_WARPS * ATTN_MMA_S * 32
+# <= 255 registers for two blocks per SM (shared memory: 41 KB per block)
+ATTN_MMA_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_MMA_THREADS, 2)}
+
+
+@cuda.jit(device=True)
+def mma_row_perm(n):
+    """The tile row (within its 8) of column n of an S fragment: n for n < 4, n ^ 1 above. The P·V
+    loads of a half-warp then hit rows of 4 different residues mod 4: distinct banks."""
+    return n ^ ((n >> 2) & 1)
+
+
+@cuda.jit(device=True)
+def mma_row_source(v, n_raw, raw_base, cap, selected, use_selected):
+    """row_source without branches (so that a group of rows' loads can issue together): (True,
+    ring slot) for visible row v < n_raw, else (False, compressed row). raw_base = first_raw % cap
+    (v < n_raw <= cap); the selection is read at a clamped index either way."""
+    slot = raw_base + v
+    if slot >= cap:
+        slot -= cap
+    k = v - n_raw
+    chosen = int64(selected[uint64(min(max(k, 0), selected.shape[0] - 1))])
+    comp_row = chosen if use_selected else k
+    raw = v < n_raw
+    return raw, slot if raw else comp_row
+
+
+ATTN_MMA_GROUP = 4                          # rows a warp loads at once when staging (64 loads in flight)
+ATTN_MMA_GROUP_VALS = ATTN_MMA_GROUP * ATTN_MMA_DIM // 32
+ATTN_MMA_ROUNDS = ATTN_MMA_TILE // (ATTN_MMA_WARPS * ATTN_MMA_GROUP)
+
+
+@cuda.jit(device=True)
+def tile_sources_mma(src_at, src_raw, tile_begin, n_tile, n_raw, raw_base, cap, selected, use_selected):
+    """Warp 0: lane r finds where tile row r lives (slots past n_tile repeat the last row) and
+    writes its first element's flat index in its cache and whether that is the raw ring."""
+    if cuda.threadIdx.x < ATTN_MMA_TILE:
+        r = cuda.threadIdx.x
+        raw, src = mma_row_source(tile_begin + min(r, n_tile - 1), n_raw, raw_base, cap, selected,
+                                  use_selected)
+        src_at[uint64(r)] = src * ATTN_MMA_DIM
+        src_raw[uint64(r)] = 1 if raw else 0
+
+
+@cuda.jit(device=True)
+def load_round_mma(vals, h, src_at, src_raw, raw_cache, comp_cache):
+    """Round h of staging a tile: this thread's values of tile rows w + 4(4h + i), i < 4 (warp w),
+    words l + 32j (lane l), into vals (registers): 16 loads of 16 bytes, from the rows' sources
+    (tile_sources_mma)."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    for i in range(ATTN_MMA_GROUP):
+        r = uint64(warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i))
+        at = uint64(src_at[r] + 4 * lane)
+        raw = src_raw[r] != 0
+        for j in range(ATTN_MMA_DIM // 128):
+            v = 16 * i + 4 * j
+            vals[v], vals[v + 1], vals[v + 2], vals[v + 3] = ld_f32x4_pick(
+                raw_cache, comp_cache, raw, at + uint64(128 * j))
+
+
+@cuda.jit(device=True)
+def store_round_mma(tile, vals, h):
+    """Round h's values (load_round_mma) as f16 (exact), 4 dims per 64-bit word of the tile."""
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    for i in range(ATTN_MMA_GROUP):
+        r = warp + ATTN_MMA_WARPS * (ATTN_MMA_GROUP * h + i)
+        for j in range(ATTN_MMA_DIM // 128):
+            v = 16 * i + 4 * j
+            lo = pack_f16x2(vals[v], vals[v + 1])
+            hi = pack_f16x2(vals[v + 2], vals[v + 3])
+            tile[uint64(r), uint64(lane + 32 * j)] = uint64(lo) | (uint64(hi) << uint64(32))
+
+
+@cuda.jit(device=True)
+def lo_word(w):
+    return uint32(w & uint64(0xFFFFFFFF))
+
+
+@cuda.jit(device=True)
+def hi_word(w):
+    return uint32(w >> uint64(32))
+
+
+def _attention_prefill_mma_kernel(PREFETCH):
+    """attention_prefill_mma; PREFETCH: the next tile's first staging round is loaded during this
+    tile's P·V (255 registers, 8 bytes spilled outside the tile loop), else at the tile's start
+    with the others (240 registers, no spill)."""
+
+    @cuda.jit(**ATTN_MMA_JIT)
+    def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                              use_selected, part_max_all, part_den_all, part_acc_all):
+        """attention_partial's partials with one split (part_max/part_den [T, n_head, 1], part_acc
+        [T, n_head, 1, 512]) on the tensor cores, head_dim 512 only (layout in the section comment).
+        Grid (n_head // ATTN_MMA_HEADS, 1, T), ATTN_MMA_THREADS threads; n_head % 16 == 0. A token with
+        no visible rows gets neutral partials (max NEG_INF, Σ 0, acc 0)."""
+        pdl_enter()
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane >> 2
+        tig = lane & 3
+        head0 = cuda.blockIdx.x * ATTN_MMA_HEADS
+        t = cuda.blockIdx.z
+        n_raw, first_raw, n_rows = visible_rows(pos_buf[t], n_swa, ratio, use_selected, n_selected[t])
+        selected = selected_all[t]
+        tile = cuda.shared.array((ATTN_MMA_TILE, ATTN_MMA_WORDS), uint64)
+        sred = cuda.shared.array(ATTN_MMA_SRED, float32)
+        scratch = cuda.shared.array(ATTN_MMA_THREADS, float32)    # lane_swap in the simulator only
+        # q's A fragments, hi and lo: a0/a1 heads g/g+8 at logical k 2c, 2c+1 (dims 4c, 4c+1 of the
+        # step), a2/a3 at k 2c+8, 2c+9 (dims 4c+2, 4c+3)
+        qh = cuda.local.array(32, uint32)
+        ql = cuda.local.array(32, uint32)
+        for ks in range(8):
+            d = 128 * warp + 16 * ks + 4 * tig
+            for hh in range(2):
+                base = uint64(t * q_all.shape[1] + (head0 + g + 8 * hh) * ATTN_MMA_DIM + d)
+                x0, x1, x2, x3 = ld_f32x4_pick(q_all, q_all, True, base)
+                h01, l01 = split_f16x2(x0, x1)
+                h23, l23 = split_f16x2(x2, x3)
+                qh[4 * ks + hh] = h01
+                ql[4 * ks + hh] = l01
+                qh[4 * ks + 2 + hh] = h23
+                ql[4 * ks + 2 + hh] = l23
+        acc = cuda.local.array(64, float32)
+        for i in range(64):
+            acc[i] = float32(0.0)
+        s = cuda.local.array(ATTN_MMA_S, float32)
+        m_run = cuda.local.array(2, float32)
+        den = cuda.local.array(2, float32)
+        for hh in range(2):
+            m_run[hh] = float32(NEG_INF)
+            den[hh] = float32(0.0)
+        inv_sqrt = float32(1.0 / math.sqrt(ATTN_MMA_DIM))
+        # this lane's S rows (tile rows of its C columns 2c, 2c+1 in fragment 0) and its P·V B rows
+        row_a = mma_row_perm(2 * tig)
+        row_b = mma_row_perm(2 * tig + 1)
+        raw_base = first_raw % raw_cache.shape[0]
+        # the tile's rows as f16 in shared memory (stage rounds of 4 rows per warp). Warp 0 finds the
+        # next tile's row sources during this tile's S (read after the S barrier); round 0 of the next
+        # tile is loaded into registers before this tile's P·V, whose MMAs hide its latency, and stored
+        # after it; the other rounds load and store between the barriers.
+        src_at = cuda.shared.array(ATTN_MMA_TILE, int64)
+        src_raw = cuda.shared.array(ATTN_MMA_TILE, int32)
+        cap = raw_cache.shape[0]
+        tile_sources_mma(src_at, src_raw, 0, min(ATTN_MMA_TILE, n_rows), n_raw, raw_base, cap, selected,
+                         use_selected)
+        cuda.syncthreads()
+        vals = cuda.local.array(ATTN_MMA_GROUP_VALS, float32)
+        if PREFETCH and n_rows > 0:
+            load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
+        for tile_begin in range(0, n_rows, ATTN_MMA_TILE):
+            n_tile = min(ATTN_MMA_TILE, n_rows - tile_begin)
+            next_begin = tile_begin + ATTN_MMA_TILE
+            if not PREFETCH:
+                load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
+            store_round_mma(tile, vals, 0)
+            for h in range(1, ATTN_MMA_ROUNDS):
+                load_round_mma(vals, h, src_at, src_raw, raw_cache, comp_cache)
+                store_round_mma(tile, vals, h)
+            cuda.syncthreads()
+            if next_begin < n_rows:
+                tile_sources_mma(src_at, src_raw, next_begin, min(ATTN_MMA_TILE, n_rows - next_begin), n_raw,
+                                 raw_base, cap, selected, use_selected)
+            for i in range(4 * ATTN_MMA_NF):
+                s[i] = float32(0.0)
+            krow = mma_row_perm(g)
+            for ks in range(8):
+                for nf in range(ATTN_MMA_NF):
+                    w = tile[uint64(8 * nf + krow), uint64(32 * warp + 4 * ks + tig)]
+                    b0 = lo_word(w)
+                    b1 = hi_word(w)
+                    c0, c1, c2, c3 = mma_f16_acc(qh[4 * ks], qh[4 * ks + 1], qh[4 * ks + 2], qh[4 * ks + 3],
+                                                 b0, b1, s[4 * nf], s[4 * nf + 1], s[4 * nf + 2], s[4 * nf + 3])
+                    c0, c1, c2, c3 = mma_f16_acc(ql[4 * ks], ql[4 * ks + 1], ql[4 * ks + 2], ql[4 * ks + 3],
+                                                 b0, b1, c0, c1, c2, c3)
+                    s[4 * nf] = c0
+                    s[4 * nf + 1] = c1
+                    s[4 * nf + 2] = c2
+                    s[4 * nf + 3] = c3
+            for i in range(4 * ATTN_MMA_NF):
+                sred[uint64((warp * 4 * ATTN_MMA_NF + i) * 32 + lane)] = s[i]
+            cuda.syncthreads()
+            for i in range(4 * ATTN_MMA_NF):
+                v = sred[uint64(i * 32 + lane)]
+                for w_ in range(1, ATTN_MMA_WARPS):
+                    v += sred[uint64((w_ * 4 * ATTN_MMA_NF + i) * 32 + lane)]
+                s[i] = v * inv_sqrt
+            # online softmax of heads g (hh 0: c0, c1) and g + 8 (hh 1: c2, c3)
+            for hh in range(2):
+                mx = float32(NEG_INF)
+                for nf in range(ATTN_MMA_NF):
+                    if 8 * nf + row_a < n_tile:
+                        mx = max(mx, s[4 * nf + 2 * hh])
+                    if 8 * nf + row_b < n_tile:
+                        mx = max(mx, s[4 * nf + 2 * hh + 1])
+                mx = max(mx, lane_swap(mx, 1, scratch))
+                mx = max(mx, lane_swap(mx, 2, scratch))
+                m_new = max(m_run[hh], mx)
+                scale = math.exp(m_run[hh] - m_new)
+                m_run[hh] = m_new
+                total = float32(0.0)
+                for nf in range(ATTN_MMA_NF):
+                    # padded slots: exp(NEG_INF - m) = 0, without a branch
+                    x0 = s[4 * nf + 2 * hh] if 8 * nf + row_a < n_tile else float32(NEG_INF)
+                    x1 = s[4 * nf + 2 * hh + 1] if 8 * nf + row_b < n_tile else float32(NEG_INF)
+                    e0 = math.exp(x0 - m_new)
+                    e1 = math.exp(x1 - m_new)
+                    s[4 * nf + 2 * hh] = e0
+                    s[4 * nf + 2 * hh + 1] = e1
+                    total += e0 + e1
+                den[hh] = den[hh] * scale + total
+                for j in range(16):
+                    acc[4 * j + 2 * hh] *= scale
+                    acc[4 * j + 2 * hh + 1] *= scale
+            if PREFETCH and next_begin < n_rows:
+                load_round_mma(vals, 0, src_at, src_raw, raw_cache, comp_cache)
+            # acc += P·V, P = the weights as hi + lo f16 A fragments
+            for kk in range(ATTN_MMA_KK):
+                f0 = 4 * (2 * kk)
+                f1 = 4 * (2 * kk + 1)
+                ph0, pl0 = split_f16x2(s[f0], s[f0 + 1])
+                ph1, pl1 = split_f16x2(s[f0 + 2], s[f0 + 3])
+                ph2, pl2 = split_f16x2(s[f1], s[f1 + 1])
+                ph3, pl3 = split_f16x2(s[f1 + 2], s[f1 + 3])
+                r0 = uint64(16 * kk + row_a)
+                r1 = uint64(16 * kk + row_b)
+                r2 = uint64(16 * kk + 8 + row_a)
+                r3 = uint64(16 * kk + 8 + row_b)
+                for m in range(4):
+                    col = uint64(32 * warp + 8 * m + g)
+                    x0 = tile[r0, col]
+                    x1 = tile[r1, col]
+                    y0 = tile[r2, col]
+                    y1 = tile[r3, col]
+                    for qd in range(4):
+                        if qd < 2:
+                            xa, xb, ya, yb = lo_word(x0), lo_word(x1), lo_word(y0), lo_word(y1)
+                        else:
+                            xa, xb, ya, yb = hi_word(x0), hi_word(x1), hi_word(y0), hi_word(y1)
+                        if qd % 2 == 0:
+                            b0 = halves_lo(xa, xb)
+                            b1 = halves_lo(ya, yb)
+                        else:
+                            b0 = halves_hi(xa, xb)
+                            b1 = halves_hi(ya, yb)
+                        j = 4 * (4 * m + qd)
+                        c0, c1, c2, c3 = mma_f16_acc(pl0, pl1, pl2, pl3, b0, b1,
+                                                     acc[j], acc[j + 1], acc[j + 2], acc[j + 3])
+                        c0, c1, c2, c3 = mma_f16_acc(ph0, ph1, ph2, ph3, b0, b1, c0, c1, c2, c3)
+                        acc[j] = c0
+                        acc[j + 1] = c1
+                        acc[j + 2] = c2
+                        acc[j + 3] = c3
+            cuda.syncthreads()
+        for hh in range(2):
+            d_ = den[hh]
+            d_ += lane_swap(d_, 1, scratch)
+            d_ += lane_swap(d_, 2, scratch)
+            den[hh] = d_
+        part_max = part_max_all[t]
+        part_den = part_den_all[t]
+        part_acc = part_acc_all[t]
+        if warp == 0 and tig == 0:
+            for hh in range(2):
+                part_max[head0 + g + 8 * hh, 0] = m_run[hh]
+                part_den[head0 + g + 8 * hh, 0] = den[hh]
+        for hh in range(2):
+            out = part_acc[head0 + g + 8 * hh, 0]
+            for m in range(4):
+                d0 = 128 * warp + 32 * m + 8 * tig
+                for qd in range(4):
+                    j = 4 * (4 * m + qd)
+                    out[uint64(d0 + qd)] = acc[j + 2 * hh]
+                    out[uint64(d0 + 4 + qd)] = acc[j + 2 * hh + 1]
+
+    return attention_prefill_mma
+
+
+attention_prefill_mma = _attention_prefill_mma_kernel(True)
+attention_prefill_mma_no_prefetch = _attention_prefill_mma_kernel(False)   # for scripts/bench_attention.py
 
 @cuda.jit(device=True)
 def rotate_pair(x0, x1, theta, inverse):

@@ -121,3 +121,51 @@ def reference_moe(gate_w, up_w, down_w, gate_type, down_type, x, ids, route_w, c
         mid = (silu(g) * u * float(wk)).astype(np.float32)
         out += dequantize(down_w[e], down_type) @ dequantized_activation(mid, down_type)
     return out
+
+
+def attention_inputs(rng, n_head, head_dim, n_swa, cap, ratio, n_comp_rows, positions, selected=None):
+    """Random inputs of the attention kernels for tokens at `positions`: the raw ring [cap,
+    head_dim] and compressed cache [n_comp_rows, head_dim] with f16-rounded values (as kv_finish
+    and the compressors leave them), q [T, n_head·head_dim] (f32), the selection [T, width] with
+    its counts (selected: one list of compressed rows per token, or None: all of them)."""
+    n_tok = len(positions)
+    raw = rng.normal(0, 1, (cap, head_dim)).astype(np.float16).astype(np.float32)
+    comp = rng.normal(0, 1, (max(n_comp_rows, 1), head_dim)).astype(np.float16).astype(np.float32)
+    q = rng.normal(0, 1, (n_tok, n_head * head_dim)).astype(np.float32)
+    sels = [np.asarray(s, np.int32) for s in selected] if selected is not None else [np.zeros(0, np.int32)] * n_tok
+    width = max(1, max(len(s) for s in sels))
+    sel = np.zeros((n_tok, width), np.int32)
+    for t, s in enumerate(sels):
+        sel[t, :len(s)] = s
+    return dict(q=q, raw=raw, comp=comp, selected=sel, n_selected=np.array([len(s) for s in sels], np.int32),
+                pos=np.asarray(positions, np.int32), n_swa=n_swa, ratio=ratio, use_selected=selected is not None)
+
+
+def attention_visible(inp, t):
+    """The rows token t sees (§6.5), in the kernels' order: the raw window, then the compressed rows."""
+    pos, n_swa, cap = int(inp["pos"][t]), inp["n_swa"], inp["raw"].shape[0]
+    n_raw = min(pos + 1, n_swa)
+    raw_rows = inp["raw"][[(pos + 1 - n_raw + i) % cap for i in range(n_raw)]]
+    if inp["use_selected"]:
+        comp_rows = inp["selected"][t, :inp["n_selected"][t]]
+    else:
+        comp_rows = np.arange((pos + 1) // inp["ratio"] if inp["ratio"] else 0)
+    return np.concatenate([raw_rows, inp["comp"][comp_rows]]).astype(np.float64)
+
+
+def attention_reference(inp, head_dim):
+    """float64 softmax attention per token and head without the sink: (log Σexp of the scaled
+    scores [T, n_head], the normalized output [T, n_head, head_dim])."""
+    n_tok = len(inp["pos"])
+    q = inp["q"].reshape(n_tok, -1, head_dim).astype(np.float64)
+    lse = np.zeros(q.shape[:2])
+    out = np.zeros(q.shape)
+    for t in range(n_tok):
+        rows = attention_visible(inp, t)
+        s = q[t] @ rows.T / np.sqrt(head_dim)
+        m = s.max(axis=1, keepdims=True)
+        e = np.exp(s - m)
+        den = e.sum(axis=1, keepdims=True)
+        lse[t] = (m + np.log(den))[:, 0]
+        out[t] = e @ rows / den
+    return lse, out

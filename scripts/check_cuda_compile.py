@@ -39,6 +39,8 @@ sigs = {
  "indexer_scores_rows": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
  "indexer_select": (u32a2, i32a, i64, i32a2, i32a),
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
+ "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
+ "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
  "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),
@@ -131,9 +133,12 @@ report = "--ptxas" in sys.argv
 kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig, 0) for name, sig in sigs.items()]
 kernels += [(name, lambda f=entry[0]: f().py_func, entry[1], entry[2] if len(entry) > 2 else 0)
             for name, entry in quant.items()]
+# a cuda_ops kernel's launch bounds (@cuda.jit(launch_bounds=...)) cap its registers as the launch
+# compiles it: the PTX carries them (.maxntid, .minnctapersm)
+bounds = {name: getattr(ops, name).targetoptions.get("launch_bounds") for name in sigs}
 for name, func, sig, max_regs in kernels:
     try:
-        ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
         print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
     except Exception as e:
         bad += 1

@@ -212,6 +212,30 @@ def check_attention():
     attention_case("chunk, all rows", 8, 128, 6, [6, 7], 4, 2, None, 2, cap=8)
 
 
+def check_attention_mma():
+    """attention_prefill_mma (tensor cores; in the simulator its mma_f16_acc is computed from the
+    PTX fragment layout) against the float64 reference: one block of 16 heads, 512 dims; token 0
+    over two tiles (a partial last one) of the window and a selection, token 1 under one tile.
+    hi + lo f16 splits of q and the weights: ~1e-6 of the scale, tolerance 1e-5."""
+    from ds4py.kernels import testdata as TD
+    n_head, head_dim = ops.ATTN_MMA_HEADS, ops.ATTN_MMA_DIM
+    inp = TD.attention_inputs(rng, n_head, head_dim, 40, 44, 4, 12, [45, 6], [[0, 2, 3, 5, 7, 8, 9, 10, 11], [1]])
+    n_tok = len(inp["pos"])
+    part_max = cuda.device_array((n_tok, n_head, 1), np.float32)
+    part_den = cuda.device_array((n_tok, n_head, 1), np.float32)
+    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float32)
+    ops.attention_prefill_mma[(1, 1, n_tok), ops.ATTN_MMA_THREADS](
+        *[cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")],
+        inp["n_swa"], inp["ratio"], inp["use_selected"], part_max, part_den, part_acc)
+    m = part_max.copy_to_host()[:, :, 0].astype(np.float64)
+    den = part_den.copy_to_host()[:, :, 0].astype(np.float64)
+    acc = part_acc.copy_to_host()[:, :, 0]
+    lse, out = TD.attention_reference(inp, head_dim)
+    for t in range(n_tok):
+        close(f"attention_prefill_mma log Σexp, t={t}", m[t] + np.log(den[t]), lse[t], 1e-5)
+        close(f"attention_prefill_mma output, t={t}", acc[t] / den[t][:, None], out[t], 1e-5)
+
+
 def check_indexer_select():
     """One launch for three tokens (grid (1, T)), each with its own row count and top_k cut, as
     the rows of [T, rows] scores; every token must equal the stable top-k. 4500 rows: more keys
@@ -497,6 +521,8 @@ if __name__ == "__main__":
     check_qat_and_rope(3)
     print(f"   ({time.time() - t0:.0f} s)")
     check_attention()
+    check_attention_mma()
+    print(f"   ({time.time() - t0:.0f} s)")
     check_indexer_select()
     check_indexer_scores()
     check_route()

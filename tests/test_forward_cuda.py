@@ -335,3 +335,47 @@ def test_memoized_launches_equal_numba_launches(model):
     for got, again, want in zip(memo_first, memo_again, plain):
         assert np.array_equal(got, want) and np.array_equal(again, want)
     assert hits > 0
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """The tiny model with the flash attention shape per head group: 16 heads of 512 dims, so the
+    prefill takes the tensor-core attention kernel (the tiny model's 128-dim heads do not)."""
+    _cuda()
+    import dataclasses
+    from ds4py import synth
+    from ds4py.io.spec import open_model
+    spec = dataclasses.replace(synth.preset_spec("tiny"), n_head=16, head_dim=512, value_dim=512, n_vocab=512)
+    path = tmp_path_factory.mktemp("models") / "wide.gguf"
+    synth.build_model(str(path), "tiny", "none", seed=2, spec=spec)
+    m = open_model(path)
+    yield m
+    m.close()
+
+
+def test_prefill_attention_mma_equals_token_by_token(wide_model):
+    """Chunks of 32 over 140 tokens on 512-dim heads (window, ratio-4 with the indexer selecting,
+    ratio-128), attention on the tensor cores (attention_prefill_mma), against token-by-token
+    decode (attention_partial with its splits) and against the same chunks on attention_partial."""
+    from ds4py.forward_cuda import CudaEngine
+    from ds4py.io import sources
+    from ds4py.kernels import cuda_ops as ops
+    tokens = [int(t) for t in np.random.default_rng(12).integers(0, 512, size=141)]
+    source = sources.DeviceSource(wide_model, progress=False)
+    saved = ops.ATTN_PREFILL_MMA
+    try:
+        runs = {}
+        for mma in (True, False):
+            ops.ATTN_PREFILL_MMA = mma
+            e = CudaEngine(wide_model, source, 256, prefill_chunk=32)
+            runs[mma] = (np.array(e.prefill(tokens[:-1]), np.float64), np.array(e.decode(tokens[-1]), np.float64))
+        b = CudaEngine(wide_model, source, 256, prefill_chunk=32)
+        want = (np.array(b.prefill_by_token(tokens[:-1]), np.float64), np.array(b.decode(tokens[-1]), np.float64))
+    finally:
+        ops.ATTN_PREFILL_MMA = saved
+        source.close()
+    for i, name in enumerate(("prefill", "decode after")):
+        for label, other in (("token by token", want[i]), ("chunks on attention_partial", runs[False][i])):
+            ok, _, _, line = _close(runs[True][i], other)
+            print(f"mma chunks vs {label}, {name}: {line}")
+            assert ok, line

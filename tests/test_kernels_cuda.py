@@ -683,3 +683,75 @@ def test_hc_post_epilogues_equal_hc_post(experts, slots_rows, moe_knobs):
     assert np.array_equal(out.copy_to_host(), y)
     want = _hc_post_reference(state, y, f_b, post, comb)
     assert np.array_equal(d_state.copy_to_host().view(np.uint32), want.view(np.uint32)), "MoE down epilogue"
+
+
+# ------------------------------------------------------------------ prefill attention (tensor cores)
+
+def _attention_partials(inp, n_head, head_dim, mma):
+    """(part_max, part_den, part_acc) of one split for every token of inp: attention_partial, or
+    the tensor-core kernel named mma (attention_prefill_mma or its no-prefetch variant)."""
+    from ds4py.kernels import cuda_ops as ops
+    n_tok = len(inp["pos"])
+    part_max = cuda.device_array((n_tok, n_head, 1), np.float32)
+    part_den = cuda.device_array((n_tok, n_head, 1), np.float32)
+    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float32)
+    args = [cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")]
+    args += [inp["n_swa"], inp["ratio"], inp["use_selected"]]
+    if mma:
+        getattr(ops, mma)[(n_head // ops.ATTN_MMA_HEADS, 1, n_tok), ops.ATTN_MMA_THREADS](
+            *args, part_max, part_den, part_acc)
+    else:
+        ops.attention_partial[((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, 1, n_tok), ops.ATTN_THREADS](
+            *args, head_dim, part_max, part_den, part_acc)
+    cuda.synchronize()
+    return part_max.copy_to_host()[:, :, 0], part_den.copy_to_host()[:, :, 0], part_acc.copy_to_host()[:, :, 0]
+
+
+@pytest.mark.parametrize("kernel", ["attention_prefill_mma", "attention_prefill_mma_no_prefetch"])
+@pytest.mark.parametrize("case", ["short", "tiles", "selected", "dense", "ratio128"])
+def test_attention_prefill_mma_matches_attention_partial(case, kernel):
+    """attention_prefill_mma against attention_partial (one split) and the float64 reference, 64
+    heads x 512 dims. Not the same bits: the tensor-core kernel multiplies hi + lo f16 splits of q
+    and of the softmax weights (~22 bits each, the rows are exact in f16) and adds in another
+    order. A numpy emulation of both at 400 rows gives output errors ~1e-7 (MMA) and ~4e-7 (f32
+    FMA) against an output scale ~0.4; scores err by ~4e-7 / ~2e-6 at scale 4. The tolerance,
+    1e-5 of the token's output scale (log Σexp: 1e-5 of 1 + |lse|), leaves room for the tensor
+    core's truncating f32 accumulation and stays ~10x below what an f16-only product would give."""
+    from ds4py.kernels import cuda_ops as ops
+    rng = _rng(97)
+    n_head, head_dim, n_swa = 64, ops.ATTN_MMA_DIM, 128
+    cap = n_swa + 16                                    # a ring of the window plus a chunk: wraps around
+    if case == "short":        # fewer rows than one tile (the first rows of a sequence)
+        positions, ratio, n_comp, selected = [0, 1, 3, 7, 12, 30], 4, 8, None
+    elif case == "tiles":      # several tiles, partial last tiles, window + all compressed rows
+        positions, ratio, n_comp, selected = [127, 128, 300, 301, 302, 555, 1000, 2047], 4, 512, None
+    elif case == "selected":   # the indexer's selection (counts 0, short, several tiles)
+        positions, ratio, n_comp = [40, 400, 900, 2000, 2001], 4, 501
+        counts = [0, 13, 100, 333, 500]
+        selected = [np.sort(rng.choice((p + 1) // 4, c, replace=False)) for p, c in zip(positions, counts)]
+    elif case == "dense":      # ratio 0: the raw window only
+        positions, ratio, n_comp, selected = [5, 200, 1500], 0, 0, None
+    else:                      # a ratio-128 lane
+        positions, ratio, n_comp, selected = [5, 200, 1500], 128, 12, None
+    inp = TD.attention_inputs(rng, n_head, head_dim, n_swa, cap, ratio, n_comp, positions, selected)
+    lse_ref, out_ref = TD.attention_reference(inp, head_dim)
+    results = {}
+    for mma in (False, True):
+        m, den, acc = _attention_partials(inp, n_head, head_dim, kernel if mma else None)
+        assert np.all(np.isfinite(acc)) and np.all(den >= 1) and np.all(den <= 2048 + 1)
+        results[mma] = (m + np.log(den.astype(np.float64)), acc / den[:, :, None].astype(np.float64), m)
+    tol = 1e-5
+    for t, pos in enumerate(positions):
+        scale = float(np.max(np.abs(out_ref[t])))
+        lse_scale = 1 + float(np.max(np.abs(lse_ref[t])))
+        errs = {}
+        for mma, (lse, out, m) in results.items():
+            errs[mma] = (float(np.max(np.abs(out[t] - out_ref[t]))), float(np.max(np.abs(lse[t] - lse_ref[t]))))
+        d_out = float(np.max(np.abs(results[True][1][t] - results[False][1][t])))
+        d_max = float(np.max(np.abs(results[True][2][t] - results[False][2][t])))
+        msg = (f"{case} t={t} pos {pos}: out err mma {errs[True][0]:.3g} fma {errs[False][0]:.3g} "
+               f"(scale {scale:.3g}), lse err mma {errs[True][1]:.3g} fma {errs[False][1]:.3g}, "
+               f"|mma - fma| out {d_out:.3g} max {d_max:.3g}")
+        print(msg)
+        assert errs[True][0] <= tol * scale and errs[True][1] <= tol * lse_scale, msg
+        assert d_out <= tol * scale and d_max <= tol * lse_scale, msg
