@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # One device call for the end of a session (carry [".whl", ".data"]): the GPU tests, then the engine
 # bench (BENCH_ARGS), then whatever of these fits before DEADLINE_S seconds (default 540) have
-# passed since the start, in this order: DECODE_AB (scripts/decode_ab.py, knob sets separated by
-# ';'), KBENCH_PARTS (scripts/bench_kernels.py parts, e.g.
-# tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of the bench's
-# prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk ending at 2,047).
+# passed since the start, in this order: ATTN_BENCH=1 (scripts/bench_attention.py), DECODE_AB
+# (scripts/decode_ab.py, knob sets separated by ';'), KBENCH_PARTS (scripts/bench_kernels.py
+# parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
+# the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk).
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 T0=$(date +%s)
 left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - T0) )); }
 budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1)
-timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings > $OUT/gpu_tests.log 2>&1
-grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
+# the GPU tests in two processes at once (numba compiles on one core each), then the VRAM-filling
+# source tests alone (they take all free VRAM on purpose)
+gpu_tests() { timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings "$@"; }
+gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py > $OUT/gpu_tests_kernels.log 2>&1 &
+gpu_tests tests/test_forward_cuda.py > $OUT/gpu_tests_forward.log 2>&1
+wait
+gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1
+cat $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
+rm $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
+grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -12
+echo "tests done at $(( $(date +%s) - T0 )) s"
 BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
+if [ -n "${ATTN_BENCH:-}" ] && [ "$(left)" -gt 40 ]; then
+  timeout $(budget 60) python3 scripts/bench_attention.py 2>&1 | grep -v Warn > $OUT/bench_attention.log
+  tail -6 $OUT/bench_attention.log
+fi
 if [ -n "${DECODE_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated knob sets
   IFS=';' read -ra sets <<< "$DECODE_AB"
   timeout $(budget 100) python3 scripts/decode_ab.py --reps 2 $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
