@@ -286,39 +286,37 @@ else:
 
         return types.UniTuple(types.float32, 4)(*(words + accs)), codegen
 
-    @intrinsic
-    def pack_f16x2(typingctx, x0, x1):
-        if not all(isinstance(t, types.Float) for t in (x0, x1)):
-            return None
+    def _f32_pair_asm(name, n_out, asm, constraints):
+        """An intrinsic of two f32 operands computed by the inline PTX `asm` into n_out 32-bit
+        words (one uint32, or a tuple of n_out)."""
+        def typer(typingctx, x0, x1):
+            if not all(isinstance(t, types.Float) for t in (x0, x1)):
+                return None
 
-        def codegen(context, builder, signature, args):
-            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType()] * 2)
-            return builder.call(ir.InlineAsm(fnty, "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f"), vals)
+            def codegen(context, builder, signature, args):
+                vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
+                i32 = ir.IntType(32)
+                ret = i32 if n_out == 1 else ir.LiteralStructType([i32] * n_out)
+                fnty = ir.FunctionType(ret, [ir.FloatType()] * 2)
+                res = builder.call(ir.InlineAsm(fnty, asm, constraints), vals)
+                if n_out == 1:
+                    return res
+                parts = [builder.extract_value(res, i) for i in range(n_out)]
+                return context.make_tuple(builder, signature.return_type, parts)
 
-        return types.uint32(x0, x1), codegen
+            ret_type = types.uint32 if n_out == 1 else types.UniTuple(types.uint32, n_out)
+            return ret_type(x0, x1), codegen
 
-    _SPLIT_F16X2 = ("{ .reg .b16 h0, h1; .reg .f32 y0, y1; "
-                    "cvt.rn.f16x2.f32 $0, $3, $2; "
-                    "mov.b32 {h0, h1}, $0; "
-                    "cvt.f32.f16 y0, h0; cvt.f32.f16 y1, h1; "
-                    "sub.rn.f32 y0, $2, y0; sub.rn.f32 y1, $3, y1; "
-                    "cvt.rn.f16x2.f32 $1, y1, y0; }")
+        typer.__name__ = name
+        return intrinsic(typer)
 
-    @intrinsic
-    def split_f16x2(typingctx, x0, x1):
-        if not all(isinstance(t, types.Float) for t in (x0, x1)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args)]
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 2), [ir.FloatType()] * 2)
-            res = builder.call(ir.InlineAsm(fnty, _SPLIT_F16X2, "=&r,=r,f,f"), vals)
-            parts = [builder.extract_value(res, i) for i in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
-
-        return types.UniTuple(types.uint32, 2)(x0, x1), codegen
+    pack_f16x2 = _f32_pair_asm("pack_f16x2", 1, "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+    split_f16x2 = _f32_pair_asm("split_f16x2", 2, ("{ .reg .b16 h0, h1; .reg .f32 y0, y1; "
+                                                   "cvt.rn.f16x2.f32 $0, $3, $2; "
+                                                   "mov.b32 {h0, h1}, $0; "
+                                                   "cvt.f32.f16 y0, h0; cvt.f32.f16 y1, h1; "
+                                                   "sub.rn.f32 y0, $2, y0; sub.rn.f32 y1, $3, y1; "
+                                                   "cvt.rn.f16x2.f32 $1, y1, y0; }"), "=&r,=r,f,f")
 
     @intrinsic
     def ld_f32x4_pick(typingctx, a, b, pick_a, index):

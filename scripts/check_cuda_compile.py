@@ -129,6 +129,9 @@ quant = {
 
 bad = 0
 report = "--ptxas" in sys.argv
+# --dump DIR: each kernel's PTX into DIR/<name>.ptx (a refactor meant to change no instruction:
+# dump before and after, then diff)
+dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv else None
 # a third element of a quant entry: the register cap the kernel is built with (_jit_capped)
 kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig, 0) for name, sig in sigs.items()]
 kernels += [(name, lambda f=entry[0]: f().py_func, entry[1], entry[2] if len(entry) > 2 else 0)
@@ -140,6 +143,11 @@ for name, func, sig, max_regs in kernels:
     try:
         ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
         print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
+        if dump:
+            import os
+            os.makedirs(dump, exist_ok=True)
+            with open(os.path.join(dump, name.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
+                f.write(ptx)
     except Exception as e:
         bad += 1
         print("BAD", name, str(e).splitlines()[0][:300])
