@@ -102,7 +102,15 @@ class _FastConfigured:
 def _entry(key, dispatcher, config, configured, args):
     """The compiled kernel and marshalled arguments of a launch numba just made, or _SLOW where a
     relaunch could differ from numba's (auto-transferred arrays, debug or config-sensitive kernels,
-    an overload numba reached by converting an argument, objects without weak references)."""
+    an overload numba reached by converting an argument, objects without weak references) or where
+    numba-cuda's internals are not the ones this reads (another version)."""
+    try:
+        return _make_entry(key, dispatcher, config, configured, args)
+    except (AttributeError, TypeError, KeyError):
+        return _SLOW
+
+
+def _make_entry(key, dispatcher, config, configured, args):
     if getattr(dispatcher, "_launch_config_sensitive", True) or configured.pre_launch_callbacks:
         return _SLOW
     if dispatcher.specialized:
@@ -119,10 +127,7 @@ def _entry(key, dispatcher, config, configured, args):
     held = [dispatcher] + [a for a in args if isinstance(a, _DeviceNDArray)]   # (kernel caches are cleared)
     held += [c for c in config if not (c is None or isinstance(c, (int, tuple)))]
     entry = _Entry()
-    try:
-        entry.refs = [weakref.ref(obj, _forget(_launches, key)) for obj in held]
-    except TypeError:
-        return _SLOW
+    entry.refs = [weakref.ref(obj, _forget(_launches, key)) for obj in held]   # TypeError: _SLOW
     entry.stream = configured.stream
     entry.config = _launch_config(configured, kernel)
     entry.kernel = kernel._codelibrary.get_cufunc().kernel
