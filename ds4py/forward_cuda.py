@@ -379,11 +379,11 @@ class CudaEngine:
         sublayer's _hc_post, or by _embed for the first); the post gates and comb matrix, which
         only this sublayer's _hc_post reads, on the "hc" stream beside it."""
         s, st = self.spec, self.stream
-        mix_dot = memo_view(b.part_dot, ("cols", s.hc_mix), lambda a: a[:, :s.hc_mix])
         scale_off = self.off32(f"{prefix}hc_{sub}_scale.weight")
         base_off = self.off32(f"{prefix}hc_{sub}_base.weight")
         if not self._on("hc_pre"):
             return
+        mix_dot = memo_view(b.part_dot, ("cols", s.hc_mix), lambda a: a[:, :s.hc_mix])
         with self._branch("hc"):
             ops.hc_sinkhorn[(1, b.T), BLOCK, self.stream](
                 mix_dot, b.part_sq, s.n_hc * s.n_embd, self.w32, scale_off, base_off,

@@ -32,6 +32,12 @@ _original: dict = {}
 stats = {"hits": 0, "misses": 0, "slow": 0}
 
 
+def _by_value(c) -> bool:
+    """Whether a launch-configuration item goes into a key by value (grid and block dimensions,
+    shared bytes, stream 0) rather than by identity (a stream object, weakly held by the entry)."""
+    return c is None or isinstance(c, (int, tuple))
+
+
 def _forget(memo, key):
     """A weakref callback: drop memo[key] (its object died)."""
     return lambda _ref: memo.pop(key, None)
@@ -72,7 +78,7 @@ class _FastConfigured:
     def __call__(self, *args):
         key = [id(self.dispatcher)]
         for c in self.config:
-            key.append(c if c is None or isinstance(c, (int, tuple)) else id(c))
+            key.append(c if _by_value(c) else id(c))
         for a in args:
             if isinstance(a, _SCALARS):
                 key.append((type(a), a))
@@ -125,7 +131,7 @@ def _make_entry(key, dispatcher, config, configured, args):
     if retr:
         return _SLOW
     held = [dispatcher] + [a for a in args if isinstance(a, _DeviceNDArray)]   # (kernel caches are cleared)
-    held += [c for c in config if not (c is None or isinstance(c, (int, tuple)))]
+    held += [c for c in config if not _by_value(c)]
     entry = _Entry()
     entry.refs = [weakref.ref(obj, _forget(_launches, key)) for obj in held]   # TypeError: _SLOW
     entry.stream = configured.stream
