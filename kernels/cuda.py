@@ -1514,22 +1514,24 @@ def matvec_q4_k(arena, off, rows, K, xq, xd, bsums, out, stream=0):
 # equals its decode result bit for bit.
 
 _NW_MOE = 8          # warps per block
-_RPB_GATE_UP = 8     # output rows per gate/up decode block (x is staged once per block)
-_NW_GATE_UP = 8      # warps per gate/up decode block
+_RPB_GATE_UP = 4     # output rows per gate/up decode block (x is staged once per block)
+_NW_GATE_UP = 6      # warps per gate/up decode block (kbench tune_moe, H200, session 15, const
+                     # steps: rows 4 warps 6 23.3 us, 4 x 4 23.8, 8 x 8 23.9; per-length kernel 8 x 8 26.0)
 _REGS_GATE_UP = 0    # register cap of the gate/up decode kernel (0: none)
 _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else staged in shared memory)
-_CONST_STEPS_GATE_UP = False  # a kernel per row length (super-blocks a compile-time constant: the
-                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
-                              # with _NCH_GATE_UP 2 or 1, no spills; not yet timed on the H200)
+_CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-time constant: the
+                             # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
+                             # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
 _REGS_DOWN = 64      # its register cap: 32 warps per SM, so the 4,096 rows of a flash layer are
                      # one wave on 132 SMs (uncapped it takes 69 registers, 28 warps per SM, 1.1
                      # waves: 23.3 us against 17.6; kbench tune_moe on the H200, session 11)
-_R_DOWN_SLOTS = 0    # > 0: moe_down_decode_slots (one warp per slot, this many output rows per
+_R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many output rows per
                      # block) where down_slots_applies; 0: moe_down_decode. ptxas sm_90: 80
-                     # registers, ~220 SASS instructions per (row, slot) against ~460; not yet timed
+                     # registers, ~220 SASS instructions per (row, slot) against ~460; kbench
+                     # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
 
 

@@ -297,13 +297,20 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
     """The gate/up decode kernel with x in registers or staged in shared memory and with either
     IQ2_XXS sign arithmetic (negated bytes, or dot(g, x) - 2 dot(g & m, x)): the same integers and
     the same f32 order, so the same bits as the shipped settings."""
-    _assert_moe_decode_bits_unchanged(experts, 11, lambda: moe_knobs(_X_REGS_GATE_UP=x_regs,
-                                                                       _IQ2_SPLIT_SIGNS=split))
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 11, _X_REGS_GATE_UP=x_regs,
+                                      _IQ2_SPLIT_SIGNS=split)
 
 
-def _assert_moe_decode_bits_unchanged(experts, seed, set_knobs):
-    """mid and the MoE output of one decode step with the shipped kernels, then again after
-    set_knobs(): bitwise equal."""
+# the first MoE decode kernels (one gate/up kernel for any row length, 8 rows x 8 warps; down one
+# warp per output row): the reference the later variants are held to, bit for bit
+_FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
+                         _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0)
+
+
+def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
+    """mid and the MoE output of one decode step with the first MoE decode kernels, then again
+    with the variant's knobs: bitwise equal."""
+    moe_knobs(**_FIRST_MOE_DECODE)
     rng = _rng(seed)
     x = rng.standard_normal(N_EMBD).astype(np.float32)
     ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
@@ -311,7 +318,7 @@ def _assert_moe_decode_bits_unchanged(experts, seed, set_knobs):
     ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
     y_ref, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
     mid_ref = ws.mid.copy_to_host()
-    set_knobs()
+    moe_knobs(**variant)
     y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0, ws)
     assert np.array_equal(ws.mid.copy_to_host(), mid_ref)
     assert np.array_equal(y, y_ref)
@@ -355,7 +362,7 @@ def _gate_up_mid(n_embd, n_ff, n_used, seed):
 # (chunk steps, rows per block, warps per block, x in registers): rows of 4 steps (K = 4096) in
 # 1, 2 or 4 chunks
 _CONST_STEPS_VARIANTS = [(0, 8, 8, True), (2, 8, 8, True), (1, 4, 4, True), (0, 4, 4, True),
-                         (2, 8, 8, False)]
+                         (2, 8, 8, False), (0, 4, 6, True)]     # the last: the shipped settings
 
 
 @pytest.mark.parametrize("nch,rpb,nw,x_regs", _CONST_STEPS_VARIANTS,
@@ -365,8 +372,8 @@ def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_r
     """_CONST_STEPS_GATE_UP (the row's step count a compile-time constant, chunks of nch steps)
     against the shipped gate/up kernel: the same loads, integers and f32 order, so mid and the MoE
     output are the same bits."""
-    _assert_moe_decode_bits_unchanged(experts, 13, lambda: moe_knobs(
-        _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _X_REGS_GATE_UP=x_regs))
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 13, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch,
+                                      _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _X_REGS_GATE_UP=x_regs)
 
 
 @pytest.mark.parametrize("n_embd", [768, 1024, 4608])
@@ -375,6 +382,7 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     """The const-steps gate/up kernel on rows whose last step is partial (768: 3 super-blocks,
     4608: 18 = 4 full steps + 2; x staged in shared memory there, 2 chunks or 5 with nch 1) or one full step
     (1024), against the shipped kernel bit for bit; n_ff 20 (the last block's rows partial)."""
+    moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(n_embd, 20, 3, 14)
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
