@@ -1543,6 +1543,7 @@ ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
 ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
+ATTN_DECODE_FUSED = True  # decode (T = 1) takes attention_decode: the partials and the merge in one launch
 # Two attention_partial blocks per SM (<= 128 registers): 160 busy blocks at 640 rows then all run
 # at once on the 132 SMs. The simulator's jit takes no launch bounds.
 ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 2)}
@@ -1772,17 +1773,11 @@ def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
     return m_run, den_run
 
 
-@cuda.jit(cache=True, **ATTN_JIT)
-def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                      use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
-    """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
-    whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
-    Σexp·row (f32). A block whose range is empty (short context) writes neutral partials (max
-    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
-    T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
-    n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
-    pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
-    pdl_enter()
+@cuda.jit(device=True)
+def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
+                    rescale, scratch):
+    """attention_partial's work for block (group, split, token), in the shared arrays it is given."""
     tid = cuda.threadIdx.x
     warp = tid // 32
     group = cuda.blockIdx.x
@@ -1798,10 +1793,6 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
     tiles_per_split = (n_tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
     begin = min(split * tiles_per_split * ATTN_TILE, n_rows)
     end = min(begin + tiles_per_split * ATTN_TILE, n_rows)
-    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
-    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)     # then the exp weights
-    rescale = cuda.shared.array(ATTN_HEADS, float32)
-    scratch = cuda.shared.array(ATTN_THREADS, float32)       # lane_swap in the simulator only
     if head_dim == ATTN_MAX_DIM:
         # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
         # clamps fold away and each row's loads are constant offsets from one address
@@ -1822,6 +1813,26 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
         for k in range(16):
             zeros[k] = float32(0.0)
         store_acc(zeros, part_acc, group, split, head_dim)
+
+
+@cuda.jit(cache=True, **ATTN_JIT)
+def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                      use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
+    """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
+    whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
+    Σexp·row (f32). A block whose range is empty (short context) writes neutral partials (max
+    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
+    T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
+    n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
+    pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
+    pdl_enter()
+    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
+    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)     # then the exp weights
+    rescale = cuda.shared.array(ATTN_HEADS, float32)
+    scratch = cuda.shared.array(ATTN_THREADS, float32)       # lane_swap in the simulator only
+    attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
+                    rescale, scratch)
 
 
 # ---- prefill attention on the tensor cores -------------------------------------------------------
@@ -2154,6 +2165,37 @@ def rotate_pair(x0, x1, theta, inverse):
     return x0 * c - x1 * s, x0 * s + x1 * c
 
 
+@cuda.jit(device=True)
+def finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, freqs, heads_per_group,
+                out, out_q, out_d):
+    """Merged output dims (d, d + 1) of `head` for token t: the inverse RoPE of the tail (§6.7),
+    the write into the group-major `out` and its Q8_0 quantization (16 consecutive lanes hold one
+    32-value block; every lane calls, `inside` False for lanes past the head's dims)."""
+    at = 0
+    if inside:
+        n_nope = head_dim - n_rot
+        if d >= n_nope:
+            x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
+        g = head // heads_per_group
+        at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
+        out[at] = x0
+        out[at + 1] = x1
+    if USE_SHUFFLES:
+        amax = max(abs(x0), abs(x1))
+        for offset in (8, 4, 2, 1):          # within each half warp: one Q8_0 block
+            amax = max(amax, cuda.shfl_xor_sync(0xFFFFFFFF, amax, offset))
+        scale, inv = q8_0_scale(amax)
+        if inside:
+            out_q[at] = q8_0_value(x0, inv)
+            out_q[at + 1] = q8_0_value(x1, inv)
+            if cuda.threadIdx.x % 16 == 0:
+                out_d[at // 32] = scale
+    else:
+        cuda.syncthreads()
+        if inside and d % 32 == 0:
+            quantize_q8_0_serial(out, at // 32, out_q, out_d)
+
+
 def _attention_combine_kernel(SPLITS):
     """attention_combine for at most SPLITS row ranges per head (its per-thread arrays hold
     SPLITS values each: 143 registers for the decode's 24, which a prefill of one split does not
@@ -2206,7 +2248,6 @@ def _attention_combine_kernel(SPLITS):
                 den += s_max[s_] * s_den[s_]
         x0 = float32(0.0)
         x1 = float32(0.0)
-        at = 0
         if inside:
             acc0 = float32(0.0)
             acc1 = float32(0.0)
@@ -2218,28 +2259,8 @@ def _attention_combine_kernel(SPLITS):
                         acc1 += w * s_acc1[s_]
             x0 = acc0 / den
             x1 = acc1 / den
-            n_nope = head_dim - n_rot
-            if d >= n_nope:
-                x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
-            heads_per_group = part_max_all.shape[1] // n_group
-            g = head // heads_per_group
-            at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
-            out[at] = x0
-            out[at + 1] = x1
-        if USE_SHUFFLES:
-            amax = max(abs(x0), abs(x1))
-            for offset in (8, 4, 2, 1):          # within each half warp: one Q8_0 block
-                amax = max(amax, cuda.shfl_xor_sync(0xFFFFFFFF, amax, offset))
-            scale, inv = q8_0_scale(amax)
-            if inside:
-                out_q[at] = q8_0_value(x0, inv)
-                out_q[at + 1] = q8_0_value(x1, inv)
-                if cuda.threadIdx.x % 16 == 0:
-                    out_d[at // 32] = scale
-        else:
-            cuda.syncthreads()
-            if inside and d % 32 == 0:
-                quantize_q8_0_serial(out, at // 32, out_q, out_d)
+        finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, freqs,
+                    part_max_all.shape[1] // n_group, out, out_q, out_d)
 
     return attention_combine
 
@@ -2251,6 +2272,104 @@ attention_combine_one = _attention_combine_kernel(1)            # prefill: one r
 def combine_kernel(n_splits: int):
     """The attention_combine kernel for n_splits row ranges per head."""
     return attention_combine_one if n_splits == 1 else attention_combine
+
+
+# ---- decode attention in one launch ---------------------------------------------------------------
+#
+# attention_decode is attention_partial followed, in the same grid, by attention_combine's merge:
+# the last of a head group's split blocks to finish (an atomic count per (token, group), reset by
+# that block for the next replay of the graph) merges the group's 8 heads. One launch and one
+# dependency fewer on the decode step's serial chain (attention_combine's place in it: 0.41 ms of
+# 8.5, session 11's profile). The merge does attention_combine's f32 operations in its order (one
+# thread per head finds the max, the split weights and the denominator; then every thread merges
+# dim pairs, the splits in order), so the outputs are the same bits.
+
+@cuda.jit(device=True)
+def merge_group(part_max, part_den, part_acc, w32, sinks_off, group, t, n_tok, pos_buf, head_dim, n_rot,
+                freqs, heads_per_group, out, out_q, out_d, weights, den_all):
+    """Block-wide: attention_combine's output for heads group*ATTN_HEADS .. + ATTN_HEADS - 1 of
+    token t (partials complete; weights [ATTN_HEADS, ATTN_SPLITS] and den_all [ATTN_HEADS] are
+    shared scratch)."""
+    tid = cuda.threadIdx.x
+    n_splits = part_max.shape[1]                   # <= ATTN_SPLITS
+    head0 = group * ATTN_HEADS
+    n_mine = min(ATTN_HEADS, part_max.shape[0] - head0)     # the last group may have fewer heads
+    if tid < n_mine:
+        head = head0 + tid
+        s_max = cuda.local.array(ATTN_SPLITS, float32)
+        s_den = cuda.local.array(ATTN_SPLITS, float32)
+        for s_ in range(ATTN_SPLITS):
+            if s_ < n_splits:
+                s_max[s_] = part_max[head, s_]
+                s_den[s_] = part_den[head, s_]
+        sink = w32[sinks_off + head]
+        m = sink
+        for s_ in range(ATTN_SPLITS):
+            if s_ < n_splits:
+                m = max(m, s_max[s_])
+        den = math.exp(sink - m)
+        for s_ in range(ATTN_SPLITS):
+            if s_ < n_splits:
+                w = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float32(0.0)
+                weights[tid, s_] = w
+                den += w * s_den[s_]
+        den_all[tid] = den
+    cuda.syncthreads()
+    pairs = head_dim // 2
+    for j0 in range(0, n_mine * pairs, cuda.blockDim.x):
+        j = j0 + tid
+        inside = j < n_mine * pairs
+        hl = j // pairs if inside else 0
+        head = head0 + hl
+        d = 2 * (j - hl * pairs)
+        x0 = float32(0.0)
+        x1 = float32(0.0)
+        if inside:
+            acc0 = float32(0.0)
+            acc1 = float32(0.0)
+            for s_ in range(n_splits):
+                w = weights[hl, s_]
+                if w != 0:
+                    acc0 += w * part_acc[head, s_, d]
+                    acc1 += w * part_acc[head, s_, d + 1]
+            x0 = acc0 / den_all[hl]
+            x1 = acc1 / den_all[hl]
+        finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, freqs, heads_per_group,
+                    out, out_q, out_d)
+
+
+@cuda.jit(cache=True, **ATTN_JIT)
+def attention_decode(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                     use_selected, head_dim, part_max_all, part_den_all, part_acc_all, counts, w32,
+                     sinks_off, n_rot, freqs, n_group, out, out_q, out_d):
+    """attention_partial, then attention_combine's merge by the last block of each head group
+    (see above). Grid and threads as attention_partial's, n_splits <= ATTN_SPLITS; counts: int32
+    [T, head groups], zero before the first launch (each launch leaves it zero)."""
+    pdl_enter()
+    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)
+    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)
+    rescale = cuda.shared.array(ATTN_HEADS, float32)
+    scratch = cuda.shared.array(ATTN_THREADS, float32)
+    weights = cuda.shared.array((ATTN_HEADS, ATTN_SPLITS), float32)
+    den_all = cuda.shared.array(ATTN_HEADS, float32)
+    last = cuda.shared.array(1, int32)
+    attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
+                    rescale, scratch)
+    group = cuda.blockIdx.x
+    t = cuda.blockIdx.z
+    cuda.threadfence()                  # this block's partials are visible before it is counted
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last[0] = int32(cuda.atomic.add(counts, (t, group), 1) == cuda.gridDim.y - 1)
+    cuda.syncthreads()
+    if last[0] != 0:                    # block-uniform
+        if cuda.threadIdx.x == 0:
+            counts[t, group] = 0
+        cuda.threadfence()
+        merge_group(part_max_all[t], part_den_all[t], part_acc_all[t], w32, sinks_off, group, t,
+                    cuda.gridDim.z, pos_buf, head_dim, n_rot, freqs, part_max_all.shape[1] // n_group,
+                    out, out_q, out_d, weights, den_all)
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

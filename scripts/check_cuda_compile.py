@@ -41,6 +41,8 @@ sigs = {
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
  "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
  "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
+ "attention_decode": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4,
+                      i32a2, f32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),

@@ -4,8 +4,9 @@ it --gen times from the same saved state (device events around the replays).
 
     python3 scripts/decode_ab.py --set "_CONST_STEPS_GATE_UP=1,_R_DOWN_SLOTS=8" --reps 3
 
-A configuration is a comma-separated list of NAME=INT (attributes of ds4py.kernels.cuda); the
-first one is always the defaults. Also checks that every configuration gives the same logits.
+A configuration is a comma-separated list of NAME=INT (attributes of ds4py.kernels.cuda, or
+ops.NAME of ds4py.kernels.cuda_ops); the first one is always the defaults. Also checks that every
+configuration gives the same logits.
 """
 import argparse
 
@@ -22,19 +23,23 @@ def main() -> None:
     import numpy as np
     from numba import cuda
 
-    from ds4py.kernels import cuda as CK
+    from ds4py.kernels import cuda as CK, cuda_ops as ops
     from flash_engine import open_flash
+
+    def owner(name):                      # (module, attribute) of a knob name
+        return (ops, name[4:]) if name.startswith("ops.") else (CK, name)
 
     configs = [{}]
     for text in args.set:
         config = {}
         for item in text.split(","):
             name, value = item.split("=")
-            if not hasattr(CK, name):
-                raise SystemExit(f"ds4py.kernels.cuda has no {name}")
-            config[name] = type(getattr(CK, name))(int(value))
+            module, attr = owner(name)
+            if not hasattr(module, attr):
+                raise SystemExit(f"{module.__name__} has no {attr}")
+            config[name] = type(getattr(module, attr))(int(value))
         configs.append(config)
-    defaults = {name: getattr(CK, name) for config in configs for name in config}
+    defaults = {name: getattr(*owner(name)) for config in configs for name in config}
     engine, ids = open_flash(args.model, args.prompt + args.gen + 16)
     engine.prefill(ids[:args.prompt])
     first = ids[args.prompt]
@@ -44,7 +49,7 @@ def main() -> None:
     for _ in range(args.reps):
         for k, config in enumerate(configs):
             for name, value in {**defaults, **config}.items():
-                setattr(CK, name, value)
+                setattr(*owner(name), value)
             CK._KERNELS.clear()
             CK._ROWDOTS.clear()
             engine._graphs = None                  # recaptured with this configuration's kernels
@@ -61,7 +66,7 @@ def main() -> None:
             end.synchronize()
             times[k].append(cuda.event_elapsed_time(start, end) / args.gen)
     for name, value in defaults.items():
-        setattr(CK, name, value)
+        setattr(*owner(name), value)
     for k, config in enumerate(configs):
         same = np.array_equal(logits[k], logits[0])
         label = ",".join(f"{n}={v}" for n, v in config.items()) or "defaults"

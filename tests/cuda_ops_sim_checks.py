@@ -184,6 +184,23 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
     ops.combine_kernel(n_splits)[(n_head, head_dim // (2 * ops.COMBINE_THREADS) or 1, n_tok), ops.COMBINE_THREADS](
         part_max, part_den, part_acc, cuda.to_device(sinks), 0, d_pos, head_dim, n_rot, cuda.to_device(freqs),
         n_group, out, out_q, out_d)
+    if n_splits <= ops.ATTN_SPLITS:
+        # attention_decode: the same partials and merge in one launch, bit for bit; twice, so the
+        # second launch finds the counts the first left (zero)
+        counts = cuda.to_device(np.zeros((n_tok, grid[0]), np.int32))
+        for launch in (1, 2):
+            fused = [cuda.device_array_like(a) for a in (out, out_q, out_d)]
+            ops.attention_decode[grid, ops.ATTN_THREADS](
+                cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp), cuda.to_device(sel),
+                cuda.to_device(np.array([len(sl) for sl in sels], np.int32)), d_pos, n_swa, ratio, use_selected,
+                head_dim, part_max, part_den, part_acc, counts, cuda.to_device(sinks), 0, n_rot,
+                cuda.to_device(freqs), n_group, *fused)
+            same = all(np.array_equal(f.copy_to_host(), a.copy_to_host()) for f, a in zip(fused, (out, out_q, out_d)))
+            zeroed = not counts.copy_to_host().any()
+            print(f"{'ok ' if same and zeroed else 'BAD'} attention_decode = attention_partial + combine, "
+                  f"{name}, launch {launch}: same bits {same}, counts back to 0 {zeroed}")
+            if not (same and zeroed):
+                raise SystemExit(1)
     flat = out.copy_to_host()
     close(f"q8_0 of the attention output, {name}", (out_q.copy_to_host().reshape(-1, 32) *
           out_d.copy_to_host()[:, None]).reshape(-1), ref.q8_0_activation(flat), 1e-6)
