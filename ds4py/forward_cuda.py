@@ -535,7 +535,7 @@ class CudaEngine:
         s, st = self.spec, self.stream
         self._proj(f"blk.{il}.attn_q_b.weight", b.qrn, b.qrn_q, b.qrn_d, b.q, b.T)
         if self._on("q_heads"):
-            ops.q_heads[(s.n_head, b.T), BLOCK, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
+            ops.q_heads[(s.n_head, b.T), ops.Q_HEADS_THREADS, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
 
     def _indexer_select(self, b, il: int, freqs, pos0):
         """The indexer's q, scores and top-idx_topk selection of compressed rows per token (after

@@ -47,6 +47,9 @@ FP4_MAX = 6.0
 
 # Warp shuffles exist on the GPU only; the simulator takes the shared-memory paths instead.
 USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
+# a device function inlined into its caller by NVVM, so arguments the caller passes as constants
+# fold (the simulator takes no forceinline)
+forceinline = cuda.jit(device=True) if numba_config.ENABLE_CUDASIM else cuda.jit(device=True, forceinline=True)
 
 
 def jit_for_threads(threads: int):
@@ -393,31 +396,19 @@ HC_W8 = 8 * HC_MIX_VALS                # weight values of 8 mixer rows per threa
 assert HC_MIX_MAX % 8 == 0 and HC_GRAM % 8 == 0
 
 
-@cuda.jit(cache=True)
-def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
-    """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
-    partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
-    one pass over their state slices, with one barrier for all of them. hc_mix_partial's grid of
-    (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token prefill (1.8 ms per
-    launch, ncu on the H200); one block per (chunk, token) was still 0.36 ms per launch (each mixer
-    row waited for its weight loads from L2, per token): a weight value now serves HC_TOKENS
-    tokens, whose warp sums are independent. The same per-thread order and block_sum's
-    warp-then-warp-order sums, so the partials equal hc_mix_partial's bit for bit (decode keeps
-    that kernel: one token needs its wider grid). Launch grid (chunks, ceil(T / HC_TOKENS))."""
-    pdl_enter()
+@forceinline
+def mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram, n_hc,
+                     n_rows, nthr, dots, sums64, tree64, tree32):
+    """hc_mix_tokens' work for block (chunk, token group) with n_hc streams, n_rows mixer rows
+    and nthr threads (constants where the kernel passes them)."""
     chunk = cuda.blockIdx.x
     t0 = cuda.blockIdx.y * HC_TOKENS
     tid = cuda.threadIdx.x
-    nthr = cuda.blockDim.x
-    n_tok, n_hc, n_embd = state.shape
-    n_rows = part_dot.shape[1]
+    n_tok = state.shape[0]
+    n_embd = state.shape[2]
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
-    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
-    sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
-    tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
-    tree32 = cuda.shared.array(BLOCK, float32)
     # the thread's state values (j = tid, tid + nthr, ...: the order of its sums), read once for
     # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row.
     # A group past the last token repeats it (its partials are not written).
@@ -484,6 +475,35 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
                 part_gram[t, tid - n_rows, chunk] = sum_warps(sums64, tt * HC_SUMS + tid - n_rows)
             elif tid == n_rows + n_pairs:
                 part_sq[t, chunk] = sum_warps(sums64, tt * HC_SUMS + HC_GRAM)
+
+
+@cuda.jit(cache=True)
+def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
+    """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
+    partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
+    one pass over their state slices, with one barrier for all of them. hc_mix_partial's grid of
+    (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token prefill (1.8 ms per
+    launch, ncu on the H200); one block per (chunk, token) was still 0.36 ms per launch (each mixer
+    row waited for its weight loads from L2, per token): a weight value now serves HC_TOKENS
+    tokens, whose warp sums are independent. The same per-thread order and block_sum's
+    warp-then-warp-order sums, so the partials equal hc_mix_partial's bit for bit (decode keeps
+    that kernel: one token needs its wider grid). Launch grid (chunks, ceil(T / HC_TOKENS))."""
+    pdl_enter()
+    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
+    sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
+    tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
+    tree32 = cuda.shared.array(BLOCK, float32)
+    n_hc = state.shape[1]
+    n_rows = part_dot.shape[1]
+    nthr = cuda.blockDim.x
+    # the model's shape with its sizes as constants (the index arithmetic folds: ptxas counted
+    # 884 IMAD and 385 ISETP against 128 FFMA in the general copy), else the general copy
+    if n_hc == HC_MAX and n_rows == HC_MIX_MAX and nthr == BLOCK and chunk_len == HC_MIX_VALS * BLOCK:
+        mix_tokens_block(state, w16, fn_off, HC_MIX_VALS * BLOCK, with_gram, part_dot, part_sq, part_gram,
+                         HC_MAX, HC_MIX_MAX, BLOCK, dots, sums64, tree64, tree32)
+    else:
+        mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram,
+                         n_hc, n_rows, nthr, dots, sums64, tree64, tree32)
 
 
 @cuda.jit(cache=True)
@@ -966,6 +986,10 @@ def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     row = pos % raw_cache.shape[0]
     for i in range(tid, n, cuda.blockDim.x):
         raw_cache[row, i] = f16_round(kv[i])
+
+
+Q_HEADS_THREADS = BLOCK   # q_heads' block (one (head, token) each); fewer threads put more of the
+                          # small blocks on an SM at once (the Σx² association changes, in f64)
 
 
 @cuda.jit(cache=True)
