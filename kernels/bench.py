@@ -608,6 +608,69 @@ def bench_tune_prefill(timer, rng, log):
     return res
 
 
+# the engine's F16 prefill matmuls (one 512-token chunk): (name, rows_a, rows_b, K); rows_b > 0 is a
+# pair launch (the compressors' kv + gate)
+F16_PREFILL_SHAPES = (("router 4096->256", 256, 0, 4096),
+                      ("attn compressor ratio 4 4096->1024+1024", 1024, 1024, 4096),
+                      ("attn compressor ratio 128 4096->512+512", 512, 512, 4096),
+                      ("indexer compressor 4096->256+256", 256, 256, 4096),
+                      ("indexer proj 4096->64", 64, 0, 4096),
+                      ("indexer q_b 1024->8192", 8192, 0, 1024))
+
+
+def bench_tune_f16(timer, rng, log, n_tok=512):
+    """The tiled F16 prefill matmul (_F16_TILED: R x T sums per lane, compile-time row length)
+    under its tile shapes, register caps and prefetch against f16_rows, at the engine's shapes and
+    512 tokens; every variant's output must equal f16_rows' bit for bit (recorded as same_bits)."""
+    from . import cuda as CK
+    cuda = _cuda()
+    names = ("_F16_TILED", "_F16_TILE_R", "_F16_TILE_T", "_F16_TILE_REGS", "_F16_TILE_PREFETCH")
+    saved = tuple(getattr(CK, n) for n in names)
+    # (R, T, register cap, prefetch); ptxas sm_90: 8x8 128 registers, with prefetch 168 (cap 128:
+    # 56 bytes of spills), 4x16 120
+    variants = [(8, 8, 0, False), (8, 8, 0, True), (8, 8, 128, True), (4, 16, 0, False), (4, 16, 0, True),
+                (4, 8, 0, False), (4, 8, 0, True)]
+    res = []
+    try:
+        for name, rows_a, rows_b, K in F16_PREFILL_SHAPES:
+            rows = rows_a + rows_b
+            arena = Arena(rows * F.row_bytes(F.F16, K) + 8192, seed=3)
+            off_a = arena.place(F.F16, rows_a, K)
+            off_b = arena.place(F.F16, rows_b, K) if rows_b else 0
+            act = _Act(F.F16, n_tok, K, rng)
+            out = cuda.device_array((n_tok, rows), np.float32)
+
+            def launch(s):
+                if rows_b:
+                    CK.matmul_f16_pair(arena.buf, off_a, rows_a, off_b, rows_b, K, n_tok, act.x, out, s)
+                else:
+                    CK.matmul_f16(arena.buf, off_a, rows_a, K, n_tok, act.x, out, s)
+
+            want = None
+            for v in [None] + variants:
+                CK._F16_TILED = v is not None
+                if v is not None:
+                    CK._F16_TILE_R, CK._F16_TILE_T, CK._F16_TILE_REGS, CK._F16_TILE_PREFETCH = v
+                label = "f16_rows" if v is None else f"tiled {v[0]}x{v[1]} regs={v[2] or 'none'}" + (
+                    " prefetch" if v[3] else "")
+                out.copy_to_device(np.full(out.shape, np.nan, np.float32))   # every output written
+                ms = timer.time_eager(launch, reps=20)
+                got = out.copy_to_host()
+                if want is None:
+                    want = got
+                same = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+                tflops = 2 * n_tok * rows * K / (ms * 1e-3) / 1e12
+                r = dict(name=f"matmul F16 {name} x{n_tok}", variant=label, ms=ms, TFLOPS=tflops,
+                         same_bits=same)
+                res.append(r)
+                log(f"  F16 {name + ' x' + str(n_tok):44s} {label:30s} {ms * 1e3:8.1f} us {tflops:6.2f} TFLOPS"
+                    + ("" if same else "  DIFFERENT BITS"))
+    finally:
+        for n, value in zip(names, saved):
+            setattr(CK, n, value)
+    return res
+
+
 def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
     """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
     cuda = _cuda()
@@ -637,6 +700,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
+    if "tune_f16" in parts:
+        res["tune_f16"] = bench_tune_f16(timer, rng, log)
     res["bench_seconds"] = time.time() - t0
     if out_path:
         with open(out_path, "w") as f:

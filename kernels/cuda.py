@@ -853,6 +853,159 @@ def _f16_kernel(S, T, R=1):
     return f16_rows
 
 
+# The tiled F16 prefill matmul (_F16_TILED): a warp holds R rows x T tokens of sums per lane (8 x 8:
+# 128 FMAs per step for 8 weight words and 8 activation pairs, against 64 for 4 + 8 in f16_rows), the
+# row length is a compile-time constant (every weight and activation address of a step is one of
+# two pointers plus a constant), and a warp's R rows lie in one matrix (its last group moved back to
+# end at the matrix's last row, the tile's last token group likewise: overlapping outputs are
+# computed twice, the same bits, and written once). The lane sums are reduced by a transposing
+# butterfly: at each level (lane xor 16, 8, 4, 2, 1) a lane keeps half of its sums and adds the
+# partner's copy of them, so 32 sums take 31 shuffles instead of 160 and lane l ends holding sum l.
+# Per output it adds the same two values at every level as the xor butterfly (v(l) + v(l ^ m)), so
+# every (row, token) gets the bits of f16_rows and of the decode matvec: the same steps, pairs and
+# fma order per lane, the same butterfly tree, the split-K partials added in warp order.
+if SIMULATOR:
+    def _f32_of_bits(v):
+        """The f32 whose bits are the low 32 of v (a register reinterpretation on the GPU)."""
+        return np.array([int(v) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+else:
+    @_inline
+    def _f32_of_bits(v):
+        """The f32 whose bits are the low 32 of v (a register reinterpretation on the GPU)."""
+        return libdevice.int_as_float(int32(v & _M32))
+
+
+_F16_TILED = False   # the engine's F16 prefill matmuls use f16_rows_tiled where it applies
+_F16_TILE_R = 8      # rows per warp
+_F16_TILE_T = 8      # tokens per warp (R * T a multiple of 32)
+_F16_TILE_REGS = 0   # register cap (0: none)
+_F16_TILE_PREFETCH = False   # the next step's words loaded before this step's fma's
+
+
+def _f16_tiled_kernel(S, NP, R, T, max_regs=0, PREFETCH=False):
+    """F16 x f32 over rows of NP weight pairs (a compile-time constant), R rows x T tokens per warp,
+    S warps per row group (split-K); see above. PREFETCH: each step's words loaded during the
+    previous step's fma's (two register sets)."""
+    if (R * T) % WARP:
+        raise ValueError("f16_rows_tiled: R * T must be a multiple of 32")
+    RPB = _NW_DENSE // S   # row groups per block
+    RT = R * T
+    NG = RT // WARP        # sums per lane after the transposing butterfly
+    NFULL = NP >> 5        # whole steps of 32 pairs
+    TAIL = NP & 31         # pairs of the partial last step (lanes below TAIL)
+    N_EVEN = NFULL // S if NFULL % S == 0 else -1   # steps per warp when every warp has as many
+    STEP = S * WARP        # pairs from one of a warp's steps to its next
+
+    @_inline
+    def tile_load(a32, x64, wi, xi, wv, xv):
+        """The words of one step of 32 pairs for the R x T tile: the lane's pair at wi (row 0's
+        word) and xi (token 0's pair); the other rows and tokens are NP words / pairs apart."""
+        for r in range(R):
+            wv[r] = a32[_ix(wi + r * NP)]
+        for tt in range(T):
+            xv[tt] = x64[_ix(xi + tt * NP)]
+
+    @_inline
+    def tile_fma(wv, xv, acc):
+        """The step's 2 R T fma's, each sum's pair low half first (rows outer: two weights live)."""
+        for r in range(R):
+            w_lo = f16_bits_to_f32(wv[r] & _M16)
+            w_hi = f16_bits_to_f32(wv[r] >> uint32(16))
+            for tt in range(T):
+                x_lo = _f32_of_bits(xv[tt])
+                x_hi = _f32_of_bits(xv[tt] >> uint64(32))
+                acc[r * T + tt] = cuda.fma(w_lo, x_lo, acc[r * T + tt])
+                acc[r * T + tt] = cuda.fma(w_hi, x_hi, acc[r * T + tt])
+
+    @_jit_capped(max_regs)
+    def f16_rows_tiled(a32, row_w0, rows_a, row_w0_b, rows_b, x64, n_tok, out, out_ld, groups_a, n_groups):
+        pdl_enter()
+        part = cuda.shared.array((_NW_DENSE, RT), float32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        w = warp % S
+        g = cuda.blockIdx.x * RPB + warp // S
+        live = g < n_groups                      # a block's spare warps run group 0 unwritten
+        if not live:
+            g = 0
+        if g < groups_a:
+            first = g * R                        # the group's first row not in an earlier group
+            start = min(first, rows_a - R)
+            wbase = row_w0 + start * NP
+            orow = start
+        else:
+            first = (g - groups_a) * R
+            start = min(first, rows_b - R)
+            wbase = row_w0_b + start * NP
+            orow = rows_a + start
+        tok0 = cuda.blockIdx.y * T
+        tok_first = min(tok0, n_tok - T)
+        acc = cuda.local.array(RT, float32)
+        wa = cuda.local.array(R, uint32)
+        xa = cuda.local.array(T, uint64)
+        wb = cuda.local.array(R, uint32)
+        xb = cuda.local.array(T, uint64)
+        for i in range(RT):
+            acc[i] = float32(0.0)
+        wi = wbase + w * WARP + lane
+        xi = tok_first * NP + w * WARP + lane
+        n_mine = int32(N_EVEN if N_EVEN >= 0 else (NFULL - w + S - 1) // S)
+        if PREFETCH:
+            # two word sets: the next step's loads are in flight during this step's fma's
+            if n_mine > 0:
+                tile_load(a32, x64, wi, xi, wa, xa)
+            for h in range(n_mine >> 1):
+                i = 2 * h
+                tile_load(a32, x64, wi + (i + 1) * STEP, xi + (i + 1) * STEP, wb, xb)
+                tile_fma(wa, xa, acc)
+                if i + 2 < n_mine:
+                    tile_load(a32, x64, wi + (i + 2) * STEP, xi + (i + 2) * STEP, wa, xa)
+                tile_fma(wb, xb, acc)
+            if n_mine & 1:
+                tile_fma(wa, xa, acc)
+        else:
+            for i in range(n_mine):
+                tile_load(a32, x64, wi + i * STEP, xi + i * STEP, wa, xa)
+                tile_fma(wa, xa, acc)
+        if TAIL != 0 and NFULL % S == w and lane < TAIL:
+            tile_load(a32, x64, wi + (NFULL - w) * WARP, xi + (NFULL - w) * WARP, wa, xa)
+            tile_fma(wa, xa, acc)
+        # transposing butterfly: after level m a lane's first half of sums is its share
+        for k in range(5):
+            m = 16 >> k
+            upper = (lane & m) != 0
+            for gi in range(NG):
+                for j in range(m):
+                    lo = acc[gi * WARP + j]
+                    hi = acc[gi * WARP + j + m]
+                    keep = hi if upper else lo
+                    send = lo if upper else hi
+                    acc[gi * WARP + j] = keep + cuda.shfl_xor_sync(FULL_MASK, send, m)
+        for gi in range(NG):
+            i = gi * WARP + lane                 # this lane's sum: row i // T, token i % T
+            if S == 1:
+                r = i // T
+                tok = tok_first + i % T
+                if live and start + r >= first and tok >= tok0:
+                    out[tok * out_ld + orow + r] = acc[gi * WARP]
+            else:
+                part[warp, i] = acc[gi * WARP]
+        if S > 1:
+            cuda.syncthreads()
+            if w == 0:
+                for gi in range(NG):
+                    i = gi * WARP + lane
+                    r = i // T
+                    tok = tok_first + i % T
+                    if live and start + r >= first and tok >= tok0:
+                        s = part[warp, i]
+                        for k in range(1, S):
+                            s += part[warp + k, i]
+                        out[tok * out_ld + orow + r] = s
+
+    return f16_rows_tiled
+
+
 def _tok_tile(n_tok):
     return 1 if n_tok == 1 else 8
 
@@ -972,6 +1125,19 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
             raise ValueError("F16: tensor runs past the end of the arena")
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
+    R, T = _F16_TILE_R, _F16_TILE_T
+    if _F16_TILED and n_tok >= T and all(r >= R for _, r in parts):
+        # every row group inside one matrix, every token tile inside the n_tok (see f16_rows_tiled)
+        rows_b = parts[1][1] if len(parts) > 1 else 0
+        groups_a, groups_b = (rows_a + R - 1) // R, (rows_b + R - 1) // R
+        regs, pf = _F16_TILE_REGS, _F16_TILE_PREFETCH
+        kernel = _cached(("f16_tiled", S, K // 2, R, T, regs, pf),
+                         lambda: _f16_tiled_kernel(S, K // 2, R, T, regs, pf))
+        grid = (((groups_a + groups_b) * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
+        kernel[grid, _NW_DENSE * WARP, _stream(stream)](
+            a32, off_a // 4, rows_a, off_b // 4, rows_b, memo_view(X, "u64", lambda a: _flat(a).view(np.uint64)),
+            n_tok, _flat(out), rows, groups_a, groups_a + groups_b)
+        return
     T = _tok_tile(n_tok)
     R = 1 if n_tok == 1 else _F16_R
     kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))

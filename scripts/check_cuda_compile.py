@@ -77,6 +77,7 @@ u16a = types.uint16[::1]; f32 = types.float32; u64a = types.uint64[::1]; u8a = t
 tables = (u64a, u8a)          # the IQ2_XXS grid and sign table
 moe_dec = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, i64, f32a) + tables
 f16_rows = (u32a, i64, i64, i64, i64, types.complex64[::1], i64, f32a, i64, i64, i64)
+f16_tiled = (u32a, i64, i64, i64, i64, u64a, i64, f32a, i64, i64, i64)
 gu_mma = (u16a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a, f32, i64, i64, f32a) + tables
 dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f32a)
 dn_staged = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a)
@@ -106,6 +107,17 @@ quant = {
                                          f16_rows),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),
                                    f16_rows),
+ # _F16_TILED: R x T sums per lane, the row length (K = 4096: 2048 pairs) a compile-time constant
+ "f16_rows_tiled (prefill, 8x8, split-K 8)": (lambda: qk._f16_tiled_kernel(8, 2048, 8, 8), f16_tiled),
+ "f16_rows_tiled (prefill, 8x8, split-K 4)": (lambda: qk._f16_tiled_kernel(4, 2048, 8, 8), f16_tiled),
+ "f16_rows_tiled (prefill, 8x8, one warp per row, K 1024)": (lambda: qk._f16_tiled_kernel(1, 512, 8, 8), f16_tiled),
+ "f16_rows_tiled (prefill, 8x8, split-K 8, K 1000)": (lambda: qk._f16_tiled_kernel(8, 500, 8, 8), f16_tiled),
+ "f16_rows_tiled (prefill, 8x8, split-K 8, prefetch)": (lambda: qk._f16_tiled_kernel(8, 2048, 8, 8, 0, True), f16_tiled),
+ "f16_rows_tiled (prefill, 8x8, split-K 4, prefetch, cap 128)": (lambda: qk._f16_tiled_kernel(4, 2048, 8, 8, 128, True), f16_tiled, 128),
+ "f16_rows_tiled (prefill, 8x8, split-K 8, K 1000, prefetch)": (lambda: qk._f16_tiled_kernel(8, 500, 8, 8, 0, True), f16_tiled),
+ "f16_rows_tiled (prefill, 4x16, split-K 8)": (lambda: qk._f16_tiled_kernel(8, 2048, 4, 16), f16_tiled),
+ "f16_rows_tiled (prefill, 4x16, split-K 8, prefetch)": (lambda: qk._f16_tiled_kernel(8, 2048, 4, 16, 0, True), f16_tiled),
+ "f16_rows_tiled (prefill, 4x8, split-K 8, prefetch)": (lambda: qk._f16_tiled_kernel(8, 2048, 4, 8, 0, True), f16_tiled),
  "moe_down_decode Q2_K": (lambda: qk._moe_down_decode_kernel(Q2K, 2, qk._NW_DOWN, qk._REGS_DOWN),
                           moe_down, qk._REGS_DOWN),
  # _R_DOWN_SLOTS: one warp per slot, R rows per block (K = 2048: 8 super-blocks)

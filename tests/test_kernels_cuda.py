@@ -763,3 +763,58 @@ def test_attention_prefill_mma_matches_attention_partial(case, kernel):
         print(msg)
         assert errs[True][0] <= tol * scale and errs[True][1] <= tol * lse_scale, msg
         assert d_out <= tol * scale and d_max <= tol * lse_scale, msg
+
+
+# ------------------------------------------------------------------------- tiled F16 prefill matmul
+
+# (rows_a, rows_b, K, tokens): the engine's F16 prefill launches (router, the three compressor
+# pairs, the indexer's proj and q_b; split-K S = 8, 4, 1) and odd ones: rows and rows_b not
+# multiples of the tile, K with a partial last step (K = 1000: 15 steps + 20 pairs; K = 2118: 33
+# + 3, the tail to warp 1 of 8), step counts not a multiple of S (K = 1000 at S = 4), token counts
+# not multiples of T, and launches that fall back to f16_rows (5 tokens, 3 or 5 rows)
+F16_TILED_CASES = [(256, 0, 4096, 512), (1024, 1024, 4096, 512), (512, 512, 4096, 100), (256, 256, 4096, 37),
+                   (64, 0, 4096, 64), (8192, 0, 1024, 40), (37, 0, 66, 9), (100, 13, 1000, 17),
+                   (2100, 0, 1000, 23), (4100, 0, 2048, 9), (9, 0, 2118, 8), (8200, 0, 256, 33),
+                   (300, 0, 4096, 5), (3, 0, 96, 20), (40, 5, 512, 16)]
+F16_TILED_VARIANTS = [(8, 8, 0, False), (8, 8, 0, True), (8, 8, 128, True), (4, 16, 0, False), (4, 8, 0, True)]
+
+
+def _f16_launch(arena, offs, rows_ab, Kd, X):
+    rows_a, rows_b = rows_ab
+    n_tok = X.shape[0]
+    dX = cuda.to_device(X)
+    out = cuda.to_device(np.full((n_tok, rows_a + rows_b), np.nan, np.float32))
+    if rows_b:                    # one token: the pair matvec (decode)
+        K.matmul_f16_pair(arena, offs[0], rows_a, offs[1], rows_b, Kd, n_tok, dX, out)
+    elif n_tok == 1:
+        K.matvec_f16(arena, offs[0], rows_a, Kd, dX, out)
+    else:
+        K.matmul_f16(arena, offs[0], rows_a, Kd, n_tok, dX, out)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("rows_a,rows_b,Kd,n_tok", F16_TILED_CASES,
+                         ids=[f"{c[0]}+{c[1]}x{c[2]}x{c[3]}" for c in F16_TILED_CASES])
+def test_f16_tiled_equals_f16_rows(monkeypatch, rows_a, rows_b, Kd, n_tok):
+    """f16_rows_tiled (_F16_TILED) gives every (row, token) the bits of f16_rows, under every tile
+    shape, register cap and prefetch setting; a few tokens also against the decode matvec."""
+    rng = _rng(90 + rows_a + rows_b + Kd + n_tok)
+    ws = [TD.random_weights(F.F16, (r, Kd), rng) for r in (rows_a, rows_b) if r]
+    arena, offs = _arena(ws)
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    X[n_tok // 2] *= 40
+    monkeypatch.setattr(K, "_F16_TILED", False)
+    want = _f16_launch(arena, offs, (rows_a, rows_b), Kd, X)
+    assert not np.any(np.isnan(want))
+    monkeypatch.setattr(K, "_F16_TILED", True)
+    for R, T, regs, pf in F16_TILED_VARIANTS:
+        for name, value in (("_F16_TILE_R", R), ("_F16_TILE_T", T), ("_F16_TILE_REGS", regs),
+                            ("_F16_TILE_PREFETCH", pf)):
+            monkeypatch.setattr(K, name, value)
+        got = _f16_launch(arena, offs, (rows_a, rows_b), Kd, X)
+        bad = ~np.equal(got.view(np.uint32), want.view(np.uint32))
+        assert not bad.any(), (f"{R}x{T} regs {regs} prefetch {pf}: {bad.sum()} outputs differ, first "
+                               f"(token, row) {tuple(np.argwhere(bad)[0])}")
+    for i in sorted({0, n_tok // 2, n_tok - 1}):
+        one = _f16_launch(arena, offs, (rows_a, rows_b), Kd, X[i:i + 1])[0]     # the decode kernel
+        assert np.array_equal(one.view(np.uint32), got[i].view(np.uint32)), f"token {i}"
