@@ -393,6 +393,8 @@ HC_TOK_DOTS = HC_TOKENS * HC_MIX_MAX
 HC_TOK_SUMS = HC_TOKENS * HC_SUMS
 HC_TOK_VALS = HC_TOKENS * HC_MIX_VALS
 HC_W8 = 8 * HC_MIX_VALS                # weight values of 8 mixer rows per thread
+HC_MIX_CONST = False   # hc_mix_tokens' copy with the model's sizes as constants (same operations;
+                       # not yet run on a GPU: off until it is; read when the kernel compiles)
 assert HC_MIX_MAX % 8 == 0 and HC_GRAM % 8 == 0
 
 
@@ -498,7 +500,8 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     nthr = cuda.blockDim.x
     # the model's shape with its sizes as constants (the index arithmetic folds: ptxas counted
     # 884 IMAD and 385 ISETP against 128 FFMA in the general copy), else the general copy
-    if n_hc == HC_MAX and n_rows == HC_MIX_MAX and nthr == BLOCK and chunk_len == HC_MIX_VALS * BLOCK:
+    if (HC_MIX_CONST and n_hc == HC_MAX and n_rows == HC_MIX_MAX and nthr == BLOCK
+            and chunk_len == HC_MIX_VALS * BLOCK):
         mix_tokens_block(state, w16, fn_off, HC_MIX_VALS * BLOCK, with_gram, part_dot, part_sq, part_gram,
                          HC_MAX, HC_MIX_MAX, BLOCK, dots, sums64, tree64, tree32)
     else:
@@ -1567,7 +1570,8 @@ ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
 ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
-ATTN_DECODE_FUSED = True  # decode (T = 1) takes attention_decode: the partials and the merge in one launch
+ATTN_DECODE_FUSED = False  # decode (T = 1) takes attention_decode: the partials and the merge in one
+                           # launch (bit-exact in the simulator; not yet run on a GPU: off until it is)
 # Two attention_partial blocks per SM (<= 128 registers): 160 busy blocks at 640 rows then all run
 # at once on the 132 SMs. The simulator's jit takes no launch bounds.
 ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 2)}

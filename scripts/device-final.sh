@@ -2,9 +2,11 @@
 # One device call for the end of a session (carry [".whl", ".data"]): the GPU tests, then the engine
 # bench (BENCH_ARGS), then whatever of these fits before DEADLINE_S seconds (default 540) have
 # passed since the start, in this order: ATTN_BENCH=1 (scripts/bench_attention.py), DECODE_AB
-# (scripts/decode_ab.py, knob sets separated by ';'), KBENCH_PARTS (scripts/bench_kernels.py
+# (scripts/decode_ab.py, knob sets separated by ';'), PREFILL_AB (scripts/prefill_ab.py, entries
+# KNOB=V1,V2 separated by ';'), KBENCH_PARTS (scripts/bench_kernels.py
 # parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
 # the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk).
+# A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1.
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 T0=$(date +%s)
@@ -13,15 +15,23 @@ budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1
 # the GPU tests in two processes at once (numba compiles on one core each), then the VRAM-filling
 # source tests alone (they take all free VRAM on purpose)
 gpu_tests() { timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings "$@"; }
-gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py > $OUT/gpu_tests_kernels.log 2>&1 &
-gpu_tests tests/test_forward_cuda.py > $OUT/gpu_tests_forward.log 2>&1
-wait
-gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1
+# TESTS_K: only the GPU tests that match this -k expression (a mid-session check); SKIP_BENCH=1
+if [ -n "${TESTS_K:-}" ]; then
+  gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py -k "$TESTS_K" > $OUT/gpu_tests_kernels.log 2>&1 &
+  gpu_tests tests/test_forward_cuda.py -k "$TESTS_K" > $OUT/gpu_tests_forward.log 2>&1
+  wait
+  touch $OUT/gpu_tests_sources.log
+else
+  gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py > $OUT/gpu_tests_kernels.log 2>&1 &
+  gpu_tests tests/test_forward_cuda.py > $OUT/gpu_tests_forward.log 2>&1
+  wait
+  gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1
+fi
 cat $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
 rm $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
 grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -12
 echo "tests done at $(( $(date +%s) - T0 )) s"
-BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
+[ -z "${SKIP_BENCH:-}" ] && BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
 if [ -n "${ATTN_BENCH:-}" ] && [ "$(left)" -gt 40 ]; then
   timeout $(budget 60) python3 scripts/bench_attention.py 2>&1 | grep -v Warn > $OUT/bench_attention.log
   tail -6 $OUT/bench_attention.log
@@ -31,6 +41,15 @@ if [ -n "${DECODE_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated kno
   timeout $(budget 100) python3 scripts/decode_ab.py --reps 2 $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
     | grep -v Warn > $OUT/decode_ab.log
   grep -E "step ms" $OUT/decode_ab.log
+fi
+if [ -n "${PREFILL_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated KNOB=V1,V2,... entries
+  IFS=';' read -ra entries <<< "$PREFILL_AB"
+  for e in "${entries[@]}"; do
+    [ "$(left)" -gt 40 ] || break
+    timeout $(budget ${PREFILL_AB_S:-120}) python3 scripts/prefill_ab.py --knob "${e%%=*}" --values "${e#*=}" 2>&1 \
+      | grep -v Warn >> $OUT/prefill_ab.log
+  done
+  grep -vE "^ds4py" $OUT/prefill_ab.log | tail -${PREFILL_AB_LINES:-20}
 fi
 if [ -n "${KBENCH_PARTS:-}" ] && [ "$(left)" -gt 40 ]; then
   timeout $(budget ${KBENCH_S:-120}) python3 scripts/bench_kernels.py --out $OUT/kernel_bench.json \
