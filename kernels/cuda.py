@@ -32,7 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              ld_u64x2,
+                              cp_async16, cp_async4, cp_async_commit, cp_async_wait1, ld_u64x2,
                               masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
@@ -580,6 +580,10 @@ _MMA_ST_MAGIC_C = False
 # schedule: the same bytes staged in the same places, so the same bits. Needs 16-byte aligned
 # weight offsets and activation rows (the launch falls back to the 8-byte loads otherwise).
 _MMA_ST_VEC = False
+# The 16-byte loads of _MMA_ST_VEC as cp.async copies straight into a second set of staging
+# buffers (double-buffered shared memory, 47.6 KB a block): no registers in flight, no STS; the
+# same bytes in the same places, so the same bits (the same alignment needs as _MMA_ST_VEC).
+_MMA_ST_CPASYNC = False
 
 
 @_inline
@@ -596,7 +600,7 @@ def _exact_float(c):
 
 def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_REGS,
                             MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8, magic_c=_MMA_ST_MAGIC_C,
-                            vec=_MMA_ST_VEC):
+                            vec=_MMA_ST_VEC, cpa=_MMA_ST_CPASYNC):
     ROWS = 16 * MT                   # rows and tokens of the block tile
     TOKS = 8 * NT
     NE = 4 * MT * NT                 # sums per lane: (row tile, token tile, 4 MMA results)
@@ -614,6 +618,9 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     SB_N = TOKS * P
     SXD_N = TOKS * 9
     COMB_N = 4 * HALF * 32
+    NBUF = 2 if cpa else 1              # cp.async: the next step lands in the other buffer
+    SA_T, SB_T, SXD_T = NBUF * SA_N, NBUF * SB_N, NBUF * SXD_N
+    vec = vec or cpa
     assert _MMA_G_WARPS == 8 and XD_N <= NTH and 2 * RPW <= WARP
     # vec: the warp's RPW staged rows as 17 RPW chunks of 16 bytes, chunk i = lane + 32 j of
     # row i // 17; its TPW tokens as 16 TPW chunks, chunk lane + 32 j of token i // 16
@@ -656,6 +663,19 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             pb[2 * j], pb[2 * j + 1] = ld_u64x2(xq64, 0, uint32(bbase[j] + s32))
         if XD_N == NTH or tid < XD_N:
             pd[0] = xd[_ix(uint32(dpos[0] + uint32(8 * st)))]
+
+    @_inline
+    def issue_cpa(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
+        """Step st's chunks (load_vec's) as asynchronous copies into staging buffer buf."""
+        s34 = uint32(34 * st)
+        for j in range(A_J):
+            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
+                cp_async16(sa, uint32(sa_o[j] + buf * SA_N), a64, abase[j], s34)
+        s32 = uint32(32 * st)
+        for j in range(B_J):
+            cp_async16(sb, uint32(sb_o[j] + buf * SB_N), xq64, 0, uint32(bbase[j] + s32))
+        if XD_N == NTH or tid < XD_N:
+            cp_async4(sxd, uint32(dpos[1] + buf * SXD_N), xd, 0, uint32(dpos[0] + uint32(8 * st)))
 
     @_inline
     def store_vec(sa, sb, sxd, lane, tid, sa_o, sb_o, dpos, pa, pb, pd):
@@ -739,16 +759,17 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
                 out[o] = acc[e] if w == 0 else out[o] + acc[e]     # the warp-split order
 
     @_inline
-    def mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh):
-        """The staged step's 4 MT NT MMAs of this warp and their sums into acc."""
+    def mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf):
+        """The staged step's 4 MT NT MMAs of this warp (staging buffer buf) and their sums into
+        acc."""
         bx = cuda.local.array(NT, uint64)
         xs = cuda.local.array(NT2, float32)
         for nt in range(NT):
-            bx[nt] = sb[_ix((8 * nt + gid) * P + 4 * g + tig)]
-            xs[2 * nt] = sxd[_ix((8 * nt + 2 * tig) * 9 + g)]
-            xs[2 * nt + 1] = sxd[_ix((8 * nt + 2 * tig + 1) * 9 + g)]
+            bx[nt] = sb[_ix(buf * SB_N + (8 * nt + gid) * P + 4 * g + tig)]
+            xs[2 * nt] = sxd[_ix(buf * SXD_N + (8 * nt + 2 * tig) * 9 + g)]
+            xs[2 * nt + 1] = sxd[_ix(buf * SXD_N + (8 * nt + 2 * tig + 1) * 9 + g)]
         for mt in range(MT):
-            r_lo = (16 * mt + gid) * P32
+            r_lo = buf * SA_N + (16 * mt + gid) * P32
             r_hi = r_lo + 8 * P32
             a0, a2 = frag(sa, r_lo + q_word + 2 * tig, sh)
             a1, a3 = frag(sa, r_hi + q_word + 2 * tig, sh)
@@ -784,15 +805,42 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         for e in range(NE):
             acc[e] = float32(0.0)
 
+    @_inline
+    def cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase, sb_o, dpos, acc, comb,
+                 warp, out, out_ld, row0, tok0, gid, tig, rows, n_tok, g, q_word, sh, d_word, d_sh,
+                 nst, nch, w32, c32, u32, buf):
+        """One step of split pass w32 (chunk c32, step u32 of it) from staging buffer buf (a
+        constant), the next step's copies into the other buffer; returns the next (w, c, u)."""
+        wn32 = w32
+        cn32 = c32
+        un32 = uint32(u32 + 1)
+        if un32 == U or uint32(cn32 * U + un32) >= nst:
+            un32 = uint32(0)
+            cn32 = uint32(c32 + S)
+            if cn32 >= nch:
+                wn32 = uint32(w32 + 1)
+                cn32 = wn32
+        if wn32 < S:                        # in flight while the MMAs run
+            issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
+                      bbase, sb_o, dpos, 1 - buf)
+        cp_async_commit()                   # (an empty group after the last step)
+        cp_async_wait1()                    # this thread's copies of this step have landed
+        cuda.syncthreads()                  # and every thread's
+        mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf)
+        cuda.syncthreads()                  # buffer buf is read before it is refilled
+        if wn32 != w32:
+            end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
+        return wn32, cn32, un32
+
     jit = _jit_capped(max_regs)
 
     @jit
     def q8_0_rows_mma_staged(a64, row_w0, row_w, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld,
                              row_w0_b, rows_a):
         pdl_enter()
-        sa = cuda.shared.array(SA_N, uint32)
-        sb = cuda.shared.array(SB_N, uint64)
-        sxd = cuda.shared.array(SXD_N, float32)
+        sa = cuda.shared.array(SA_T, uint32)
+        sb = cuda.shared.array(SB_T, uint64)
+        sxd = cuda.shared.array(SXD_T, float32)
         rbase = cuda.shared.array(ROWS, int64)
         comb = cuda.shared.array(COMB_N, float32)
         tid = cuda.threadIdx.x
@@ -831,6 +879,25 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             w32 = uint32(0)
             c32 = uint32(0)
             u32 = uint32(0)
+            if cpa:
+                issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
+                          dpos, 0)
+                cp_async_commit()
+                # two steps per trip, one per staging buffer: the buffer offsets are constants
+                while True:
+                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                             w32, c32, u32, 0)
+                    if w32 >= S:
+                        break
+                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                             w32, c32, u32, 1)
+                    if w32 >= S:
+                        break
+                return
             load_vec(a64, xq64, xd, uint32(0), lane, tid, abase, bbase, dpos, qa, qb, qd)
             while w32 < S:
                 wn32 = w32                          # the step after this one
@@ -848,7 +915,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
                 if prefetch and wn32 < S:           # in flight while the MMAs run
                     load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
                              qa, qb, qd)
-                mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh)
+                mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, 0)
                 if not prefetch and wn32 < S:
                     cuda.syncthreads()
                     load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
@@ -881,7 +948,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             cuda.syncthreads()
             if prefetch and wn < S:                 # in flight while the MMAs run
                 load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
-            mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh)
+            mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, 0)
             if not prefetch and wn < S:
                 cuda.syncthreads()
                 load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
@@ -1036,10 +1103,11 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
         R, T, regs, pf, mc = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH, _MMA_ST_MAGIC_C
         # the 16-byte loads: weight rows and activation rows on 16-byte boundaries
-        vec = _MMA_ST_VEC and all(off % 16 == 0 for off, _ in parts) and (
+        aligned = (_MMA_ST_VEC or _MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
             xq.__cuda_array_interface__["data"][0] % 16 == 0)
-        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, vec),
-                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, vec))
+        vec, cpa = aligned and _MMA_ST_VEC, aligned and _MMA_ST_CPASYNC
+        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, vec, cpa),
+                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, vec, cpa))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),
