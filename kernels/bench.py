@@ -569,28 +569,41 @@ def bench_tune(timer, copy_bw, rng, log, moe):
 
 
 def bench_tune_prefill(timer, rng, log):
-    """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps and prefetch against
-    the direct kernel, at the engine's prefill shapes; every variant's output must equal the direct
-    kernel's bit for bit (a mismatch is logged and recorded)."""
+    """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps, prefetch, the
+    magic-C accumulator, the 16-byte loads and the cp.async staging against the direct kernel, at the engine's prefill
+    shapes; every variant's output must equal the direct kernel's bit for bit (a mismatch is logged
+    and recorded)."""
     from . import cuda as CK
     cuda = _cuda()
-    saved = (CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH)
-    variants = [(64, 16, 128, True), (64, 16, 128, False), (64, 16, 0, True), (32, 32, 128, True),
-                (32, 32, 0, True), (32, 16, 128, True), (64, 32, 0, True)]
+    knobs = ("_MMA_ST_ROWS", "_MMA_ST_TOKS", "_MMA_ST_REGS", "_MMA_ST_PREFETCH", "_MMA_ST_MAGIC_C",
+             "_MMA_ST_VEC", "_MMA_ST_CPASYNC")
+    saved = tuple(getattr(CK, k) for k in knobs)
+    # (rows, tokens, register cap, prefetch, magic C, 16-byte loads, cp.async)
+    variants = [(32, 32, 128, True, False, False, False), (32, 32, 128, True, True, False, False),
+                (32, 32, 128, True, False, True, False), (32, 32, 128, True, True, True, False),
+                (32, 32, 168, True, True, True, False), (32, 32, 0, True, True, True, False),
+                (32, 32, 128, True, False, False, True), (32, 32, 128, True, True, False, True),
+                (32, 32, 168, True, True, False, True),
+                (64, 16, 128, True, False, False, False), (64, 16, 128, True, True, True, False),
+                (32, 16, 128, True, True, True, False), (64, 32, 0, True, True, True, False)]
     res = []
     try:
         for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, 2048), ("Q8_0 4096->1536", 1536, 4096, 512),
-                                 ("Q8_0 1024->32768", 32768, 1024, 512), ("Q8_0 8192->4096", 4096, 8192, 512)):
+                                 ("Q8_0 1024->32768", 32768, 1024, 512), ("Q8_0 8192->4096", 4096, 8192, 512),
+                                 ("Q8_0 4096->1024", 1024, 4096, 512), ("Q8_0 2048->4096", 4096, 2048, 512)):
             arena = Arena(rows * F.row_bytes(F.Q8_0, K) + 4096, seed=3)
             off = arena.place(F.Q8_0, rows, K)
             act = _Act(F.Q8_0, n, K, rng)
             out = cuda.device_array((n, rows), np.float32)
-            runs = [("direct", None)] + [(f"staged {R}x{T} regs={g or 'none'}{'' if pf else ' no-prefetch'}",
-                                          (R, T, g, pf)) for R, T, g, pf in variants]
+            runs = [("direct", None)] + [
+                (f"staged {R}x{T} regs={g or 'none'}{'' if pf else ' no-prefetch'}"
+                 f"{' magicC' if mc else ''}{' vec' if vec else ''}{' cp.async' if cpa else ''}",
+                 (R, T, g, pf, mc, vec, cpa)) for R, T, g, pf, mc, vec, cpa in variants]
             want = None
             for label, v in runs:
                 if v is not None:
-                    CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = v
+                    for k, x in zip(knobs, v):
+                        setattr(CK, k, x)
                 staged = v is not None
                 ms = timer.time_eager(lambda s: CK.matmul_q8_0_mma(arena.buf, off, rows, K, n, act.xq, act.xd,
                                                                    out, s, staged=staged))
@@ -601,10 +614,11 @@ def bench_tune_prefill(timer, rng, log):
                 tops = 2 * n * rows * K / (ms * 1e-3) / 1e12
                 r = dict(name=f"matmul {name} x{n}", variant=label, ms=ms, TOPS=tops, same_bits=same)
                 res.append(r)
-                log(f"  {name + ' x' + str(n):24s} {label:36s} {ms:8.3f} ms {tops:7.1f} TOPS"
+                log(f"  {name + ' x' + str(n):24s} {label:44s} {ms:8.3f} ms {tops:7.1f} TOPS"
                     + ("" if same else "  DIFFERENT BITS"))
     finally:
-        CK._MMA_ST_ROWS, CK._MMA_ST_TOKS, CK._MMA_ST_REGS, CK._MMA_ST_PREFETCH = saved
+        for k, x in zip(knobs, saved):
+            setattr(CK, k, x)
     return res
 
 

@@ -32,6 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
+                              cp_async16, cp_async4, cp_async_commit, cp_async_wait1, ld_u64x2,
                               masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
@@ -570,6 +571,25 @@ _MMA_ST_PAD = 36      # uint64 words per staged row (34 or 32 used): the 16 lane
 _MMA_STAGED = True    # the engine's Q8_0 prefill matmuls use this kernel where it applies
 _MAGIC = 0x4B400000   # bits of 1.5 x 2^23
 _MAGIC_F = 12582912.0
+# The tensor core adds the magic bits itself: C = bits(1.5 x 2^23) in every accumulator, so each
+# result is already c + bits(1.5 x 2^23) (|c| < 2^22: no int32 overflow, the same int32 value as
+# the VIADD after a C = 0 MMA) and only the FADD remains: the same bits, 4 VIADDs fewer per MMA.
+_MMA_ST_MAGIC_C = False
+# 16-byte global loads (weights: 17 per staged row, a warp's 4 rows in 3 loads; activations: 16 per
+# token, 2 loads) from per-lane pointers computed once, 32-bit step offsets and a 32-bit step
+# schedule: the same bytes staged in the same places, so the same bits. Needs 16-byte aligned
+# weight offsets and activation rows (the launch falls back to the 8-byte loads otherwise).
+_MMA_ST_VEC = False
+# The 16-byte loads of _MMA_ST_VEC as cp.async copies straight into a second set of staging
+# buffers (double-buffered shared memory, 47.6 KB a block): no registers in flight, no STS; the
+# same bytes in the same places, so the same bits (the same alignment needs as _MMA_ST_VEC).
+_MMA_ST_CPASYNC = False
+
+
+@_inline
+def _magic_float(c):
+    """float32(c') for the int32 c' = c + bits(1.5 x 2^23) (|c| < 2^22): c exactly."""
+    return libdevice.int_as_float(int32(c)) - float32(_MAGIC_F)
 
 
 @_inline
@@ -579,7 +599,8 @@ def _exact_float(c):
 
 
 def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_REGS,
-                            MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8):
+                            MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8, magic_c=_MMA_ST_MAGIC_C,
+                            vec=_MMA_ST_VEC, cpa=_MMA_ST_CPASYNC):
     ROWS = 16 * MT                   # rows and tokens of the block tile
     TOKS = 8 * NT
     NE = 4 * MT * NT                 # sums per lane: (row tile, token tile, 4 MMA results)
@@ -597,7 +618,79 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     SB_N = TOKS * P
     SXD_N = TOKS * 9
     COMB_N = 4 * HALF * 32
+    NBUF = 2 if cpa else 1              # cp.async: the next step lands in the other buffer
+    SA_T, SB_T, SXD_T = NBUF * SA_N, NBUF * SB_N, NBUF * SXD_N
+    vec = vec or cpa
     assert _MMA_G_WARPS == 8 and XD_N <= NTH and 2 * RPW <= WARP
+    # vec: the warp's RPW staged rows as 17 RPW chunks of 16 bytes, chunk i = lane + 32 j of
+    # row i // 17; its TPW tokens as 16 TPW chunks, chunk lane + 32 j of token i // 16
+    A_CH = 17 * RPW
+    A_J = (A_CH + WARP - 1) // WARP
+    A_LAST = A_CH - WARP * (A_J - 1)        # lanes with a chunk in the last load
+    B_J = 16 * TPW // WARP
+    A_W = 2 * A_J                            # uint64 words in flight per lane
+    B_W = 2 * B_J
+    assert 16 * TPW % WARP == 0
+
+    @_inline
+    def vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos):
+        """Per-lane loop invariants of load_vec/store_vec: the global index of each chunk at step 0
+        (int64 weights, uint32 activations) and its shared-memory index."""
+        for j in range(A_J):
+            i = lane + WARP * j if j < A_J - 1 else (WARP * j + lane % A_LAST)
+            m = i // 17
+            q = i - 17 * m
+            abase[j] = rbase[_ix(warp + 8 * m)] + 2 * q
+            sa_o[j] = uint32((warp + 8 * m) * P32 + 4 * q)
+        for j in range(B_J):
+            m = (lane >> 4) + 2 * j
+            tok = min(tok0 + warp + 8 * m, n_tok - 1)
+            bbase[j] = uint32(tok * (4 * nb) + 2 * (lane & 15))
+            sb_o[j] = uint32((warp + 8 * m) * P + 2 * (lane & 15))
+        tok = min(tok0 + (tid >> 3), n_tok - 1)
+        dpos[0] = uint32(tok * nb + (tid & 7))
+        dpos[1] = uint32((tid >> 3) * 9 + (tid & 7))
+
+    @_inline
+    def load_vec(a64, xq64, xd, st, lane, tid, abase, bbase, dpos, pa, pb, pd):
+        """Step st's chunks into registers (the same bytes as load_step, 16 at a time)."""
+        s34 = uint32(34 * st)
+        for j in range(A_J):
+            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
+                pa[2 * j], pa[2 * j + 1] = ld_u64x2(a64, abase[j], s34)
+        s32 = uint32(32 * st)
+        for j in range(B_J):
+            pb[2 * j], pb[2 * j + 1] = ld_u64x2(xq64, 0, uint32(bbase[j] + s32))
+        if XD_N == NTH or tid < XD_N:
+            pd[0] = xd[_ix(uint32(dpos[0] + uint32(8 * st)))]
+
+    @_inline
+    def issue_cpa(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
+        """Step st's chunks (load_vec's) as asynchronous copies into staging buffer buf."""
+        s34 = uint32(34 * st)
+        for j in range(A_J):
+            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
+                cp_async16(sa, uint32(sa_o[j] + buf * SA_N), a64, abase[j], s34)
+        s32 = uint32(32 * st)
+        for j in range(B_J):
+            cp_async16(sb, uint32(sb_o[j] + buf * SB_N), xq64, 0, uint32(bbase[j] + s32))
+        if XD_N == NTH or tid < XD_N:
+            cp_async4(sxd, uint32(dpos[1] + buf * SXD_N), xd, 0, uint32(dpos[0] + uint32(8 * st)))
+
+    @_inline
+    def store_vec(sa, sb, sxd, lane, tid, sa_o, sb_o, dpos, pa, pb, pd):
+        for j in range(A_J):
+            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
+                o = sa_o[j]
+                sa[_ix(o)] = uint32(pa[2 * j] & _M32)
+                sa[_ix(o + uint32(1))] = uint32(pa[2 * j] >> uint64(32))
+                sa[_ix(o + uint32(2))] = uint32(pa[2 * j + 1] & _M32)
+                sa[_ix(o + uint32(3))] = uint32(pa[2 * j + 1] >> uint64(32))
+        for j in range(B_J):
+            sb[_ix(sb_o[j])] = pb[2 * j]
+            sb[_ix(sb_o[j] + uint32(1))] = pb[2 * j + 1]
+        if XD_N == NTH or tid < XD_N:
+            sxd[_ix(dpos[1])] = pd[0]
 
     @_inline
     def load_step(a64, rbase, xq64, xd, st, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd):
@@ -665,15 +758,89 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
                 o = _ix(tok * out_ld + row)
                 out[o] = acc[e] if w == 0 else out[o] + acc[e]     # the warp-split order
 
+    @_inline
+    def mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf):
+        """The staged step's 4 MT NT MMAs of this warp (staging buffer buf) and their sums into
+        acc."""
+        bx = cuda.local.array(NT, uint64)
+        xs = cuda.local.array(NT2, float32)
+        for nt in range(NT):
+            bx[nt] = sb[_ix(buf * SB_N + (8 * nt + gid) * P + 4 * g + tig)]
+            xs[2 * nt] = sxd[_ix(buf * SXD_N + (8 * nt + 2 * tig) * 9 + g)]
+            xs[2 * nt + 1] = sxd[_ix(buf * SXD_N + (8 * nt + 2 * tig + 1) * 9 + g)]
+        for mt in range(MT):
+            r_lo = buf * SA_N + (16 * mt + gid) * P32
+            r_hi = r_lo + 8 * P32
+            a0, a2 = frag(sa, r_lo + q_word + 2 * tig, sh)
+            a1, a3 = frag(sa, r_hi + q_word + 2 * tig, sh)
+            wd_lo = f16_bits_to_f32((sa[_ix(r_lo + d_word)] >> uint32(d_sh)) & _M16)
+            wd_hi = f16_bits_to_f32((sa[_ix(r_hi + d_word)] >> uint32(d_sh)) & _M16)
+            for nt in range(NT):
+                e = 4 * (mt * NT + nt)
+                if magic_c:
+                    m = int32(_MAGIC)
+                    c0, c1, c2, c3 = mma_s8_acc(a0, a1, a2, a3, bx[nt], bx[nt] >> uint64(32),
+                                                m, m, m, m)
+                    f0, f1, f2, f3 = _magic_float(c0), _magic_float(c1), _magic_float(c2), _magic_float(c3)
+                else:
+                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx[nt], bx[nt] >> uint64(32))
+                    f0, f1, f2, f3 = _exact_float(c0), _exact_float(c1), _exact_float(c2), _exact_float(c3)
+                acc[e] = cuda.fma(wd_lo * xs[2 * nt], f0, acc[e])
+                acc[e + 1] = cuda.fma(wd_lo * xs[2 * nt + 1], f1, acc[e + 1])
+                acc[e + 2] = cuda.fma(wd_hi * xs[2 * nt], f2, acc[e + 2])
+                acc[e + 3] = cuda.fma(wd_hi * xs[2 * nt + 1], f3, acc[e + 3])
+
+    @_inline
+    def end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w):
+        """The end of split pass w: the warps meet, warp 0 writes (or adds), the sums restart."""
+        meet(acc, comb, warp, lane, 4, 4, 0)       # g + (g + 4)
+        meet(acc, comb, warp, lane, 2, 2, 0)       # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
+        meet(acc, comb, warp, lane, 1, 1, 0)       # left + right
+        meet(acc, comb, warp, lane, 4, 4, HALF)    # the same for the second half
+        meet(acc, comb, warp, lane, 2, 2, HALF)
+        meet(acc, comb, warp, lane, 1, 1, HALF)
+        if warp == 0:
+            write_half(acc, 0, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
+            write_half(acc, HALF, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
+        for e in range(NE):
+            acc[e] = float32(0.0)
+
+    @_inline
+    def cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase, sb_o, dpos, acc, comb,
+                 warp, out, out_ld, row0, tok0, gid, tig, rows, n_tok, g, q_word, sh, d_word, d_sh,
+                 nst, nch, w32, c32, u32, buf):
+        """One step of split pass w32 (chunk c32, step u32 of it) from staging buffer buf (a
+        constant), the next step's copies into the other buffer; returns the next (w, c, u)."""
+        wn32 = w32
+        cn32 = c32
+        un32 = uint32(u32 + 1)
+        if un32 == U or uint32(cn32 * U + un32) >= nst:
+            un32 = uint32(0)
+            cn32 = uint32(c32 + S)
+            if cn32 >= nch:
+                wn32 = uint32(w32 + 1)
+                cn32 = wn32
+        if wn32 < S:                        # in flight while the MMAs run
+            issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
+                      bbase, sb_o, dpos, 1 - buf)
+        cp_async_commit()                   # (an empty group after the last step)
+        cp_async_wait1()                    # this thread's copies of this step have landed
+        cuda.syncthreads()                  # and every thread's
+        mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf)
+        cuda.syncthreads()                  # buffer buf is read before it is refilled
+        if wn32 != w32:
+            end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
+        return wn32, cn32, un32
+
     jit = _jit_capped(max_regs)
 
     @jit
     def q8_0_rows_mma_staged(a64, row_w0, row_w, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld,
                              row_w0_b, rows_a):
         pdl_enter()
-        sa = cuda.shared.array(SA_N, uint32)
-        sb = cuda.shared.array(SB_N, uint64)
-        sxd = cuda.shared.array(SXD_N, float32)
+        sa = cuda.shared.array(SA_T, uint32)
+        sb = cuda.shared.array(SB_T, uint64)
+        sxd = cuda.shared.array(SXD_T, float32)
         rbase = cuda.shared.array(ROWS, int64)
         comb = cuda.shared.array(COMB_N, float32)
         tid = cuda.threadIdx.x
@@ -693,13 +860,75 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             rbase[tid] = _pair_row(r, rows_a, row_w0, row_w0_b, row_w)
         cuda.syncthreads()
         nsteps = nb // 8
-        pa = cuda.local.array(A_PER, uint64)
-        pb = cuda.local.array(B_PER, uint64)
-        pd = cuda.local.array(1, float32)
         acc = cuda.local.array(NE, float32)
         for e in range(NE):
             acc[e] = float32(0.0)
         # split pass w takes chunks w, w + S, ... (the dp4a kernel's round robin), U steps each
+        if vec:
+            abase = cuda.local.array(A_J, int64)
+            sa_o = cuda.local.array(A_J, uint32)
+            bbase = cuda.local.array(B_J, uint32)
+            sb_o = cuda.local.array(B_J, uint32)
+            dpos = cuda.local.array(2, uint32)
+            qa = cuda.local.array(A_W, uint64)
+            qb = cuda.local.array(B_W, uint64)
+            qd = cuda.local.array(1, float32)
+            vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
+            nst = uint32(nsteps)
+            nch = uint32(nchunks)
+            w32 = uint32(0)
+            c32 = uint32(0)
+            u32 = uint32(0)
+            if cpa:
+                issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
+                          dpos, 0)
+                cp_async_commit()
+                # two steps per trip, one per staging buffer: the buffer offsets are constants
+                while True:
+                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                             w32, c32, u32, 0)
+                    if w32 >= S:
+                        break
+                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                             w32, c32, u32, 1)
+                    if w32 >= S:
+                        break
+                return
+            load_vec(a64, xq64, xd, uint32(0), lane, tid, abase, bbase, dpos, qa, qb, qd)
+            while w32 < S:
+                wn32 = w32                          # the step after this one
+                cn32 = c32
+                un32 = uint32(u32 + 1)
+                if un32 == U or uint32(cn32 * U + un32) >= nst:
+                    un32 = uint32(0)
+                    cn32 = uint32(c32 + S)
+                    if cn32 >= nch:
+                        wn32 = uint32(w32 + 1)
+                        cn32 = wn32
+                cuda.syncthreads()                  # every warp is done with the last step
+                store_vec(sa, sb, sxd, lane, tid, sa_o, sb_o, dpos, qa, qb, qd)
+                cuda.syncthreads()
+                if prefetch and wn32 < S:           # in flight while the MMAs run
+                    load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
+                             qa, qb, qd)
+                mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, 0)
+                if not prefetch and wn32 < S:
+                    cuda.syncthreads()
+                    load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
+                             qa, qb, qd)
+                if wn32 != w32:
+                    end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
+                w32 = wn32
+                c32 = cn32
+                u32 = un32
+            return
+        pa = cuda.local.array(A_PER, uint64)
+        pb = cuda.local.array(B_PER, uint64)
+        pd = cuda.local.array(1, float32)
         w = 0
         c = 0
         u = 0
@@ -719,41 +948,12 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             cuda.syncthreads()
             if prefetch and wn < S:                 # in flight while the MMAs run
                 load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
-            bx = cuda.local.array(NT, uint64)
-            xs = cuda.local.array(NT2, float32)
-            for nt in range(NT):
-                bx[nt] = sb[_ix((8 * nt + gid) * P + 4 * g + tig)]
-                xs[2 * nt] = sxd[_ix((8 * nt + 2 * tig) * 9 + g)]
-                xs[2 * nt + 1] = sxd[_ix((8 * nt + 2 * tig + 1) * 9 + g)]
-            for mt in range(MT):
-                r_lo = (16 * mt + gid) * P32
-                r_hi = r_lo + 8 * P32
-                a0, a2 = frag(sa, r_lo + q_word + 2 * tig, sh)
-                a1, a3 = frag(sa, r_hi + q_word + 2 * tig, sh)
-                wd_lo = f16_bits_to_f32((sa[_ix(r_lo + d_word)] >> uint32(d_sh)) & _M16)
-                wd_hi = f16_bits_to_f32((sa[_ix(r_hi + d_word)] >> uint32(d_sh)) & _M16)
-                for nt in range(NT):
-                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx[nt], bx[nt] >> uint64(32))
-                    e = 4 * (mt * NT + nt)
-                    acc[e] = cuda.fma(wd_lo * xs[2 * nt], _exact_float(c0), acc[e])
-                    acc[e + 1] = cuda.fma(wd_lo * xs[2 * nt + 1], _exact_float(c1), acc[e + 1])
-                    acc[e + 2] = cuda.fma(wd_hi * xs[2 * nt], _exact_float(c2), acc[e + 2])
-                    acc[e + 3] = cuda.fma(wd_hi * xs[2 * nt + 1], _exact_float(c3), acc[e + 3])
+            mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, 0)
             if not prefetch and wn < S:
                 cuda.syncthreads()
                 load_step(a64, rbase, xq64, xd, cn * U + un, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd)
             if wn != w:                         # the end of split pass w: meet and write
-                meet(acc, comb, warp, lane, 4, 4, 0)       # g + (g + 4)
-                meet(acc, comb, warp, lane, 2, 2, 0)       # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
-                meet(acc, comb, warp, lane, 1, 1, 0)       # left + right
-                meet(acc, comb, warp, lane, 4, 4, HALF)    # the same for the second half
-                meet(acc, comb, warp, lane, 2, 2, HALF)
-                meet(acc, comb, warp, lane, 1, 1, HALF)
-                if warp == 0:
-                    write_half(acc, 0, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
-                    write_half(acc, HALF, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
-                for e in range(NE):
-                    acc[e] = float32(0.0)
+                end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w)
             w = wn
             c = cn
             u = un
@@ -1054,9 +1254,13 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         staged = _MMA_STAGED
     if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
         # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
-        R, T, regs, pf = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH
-        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf), lambda: _q8_0_mma_staged_kernel(
-            S, U, pf, regs, R // 16, T // 8))
+        R, T, regs, pf, mc = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH, _MMA_ST_MAGIC_C
+        # the 16-byte loads: weight rows and activation rows on 16-byte boundaries
+        aligned = (_MMA_ST_VEC or _MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
+            xq.__cuda_array_interface__["data"][0] % 16 == 0)
+        vec, cpa = aligned and _MMA_ST_VEC, aligned and _MMA_ST_CPASYNC
+        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, vec, cpa),
+                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, vec, cpa))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),

@@ -32,6 +32,17 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ld.global.nc.v4.f32; index a multiple of 4, the arrays 16-byte aligned, neither written by the
   kernel). The pointer is chosen before the load, so a kernel staging rows from either of two
   caches issues one unconditional load per 4 values.
+* ``ld_u64x2(a, base, off)``: the two 64-bit words (as uint64) at element base + off .. + 1 of the
+  C-contiguous uint64 or int64 array a in one 16-byte load through the read-only path (PTX ld.global.nc.v2.u64; base +
+  off even, the array 16-byte aligned, not written by the kernel). base (int64) and off (uint32)
+  are added as two steps of the address, so a loop-invariant base is hoisted as a pointer and
+  each load costs one 32-bit multiply-add (IMAD.WIDE.U32) for its address.
+* ``cp_async16(s, si, a, base, off)``, ``cp_async4(...)``: an asynchronous copy of the 16 (4)
+  bytes at element base + off of the global array a (C-contiguous, 8-byte / 4-byte elements) to
+  element si of the shared array s (PTX cp.async.cg / .ca; both addresses aligned to the size),
+  through no registers; ``cp_async_commit()`` closes the thread's group of copies,
+  ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
+  copies only: a block barrier must follow before other threads read them).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -163,6 +174,22 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def halves_hi(a, b):
         return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
+
+    def cp_async16(s, si, a, base, off):
+        raise NotImplementedError("cp.async: no simulator version")
+
+    def cp_async4(s, si, a, base, off):
+        raise NotImplementedError("cp.async: no simulator version")
+
+    def cp_async_commit():
+        return None
+
+    def cp_async_wait1():
+        return None
+
+    def ld_u64x2(a, base, off):
+        i = int(base) + int(off)
+        return np.uint64(a[i] & 0xFFFFFFFFFFFFFFFF), np.uint64(a[i + 1] & 0xFFFFFFFFFFFFFFFF)
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -340,6 +367,68 @@ else:
             return context.make_tuple(builder, signature.return_type, parts)
 
         return types.UniTuple(types.float32, 4)(a, b, pick_a, index), codegen
+
+    @intrinsic
+    def ld_u64x2(typingctx, a, base, off):
+        if not (isinstance(a, types.Array) and a.dtype in (types.uint64, types.int64) and a.layout == "C"
+                and isinstance(base, types.Integer) and isinstance(off, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            b = context.cast(builder, args[1], signature.args[1], types.int64)
+            o = context.cast(builder, args[2], signature.args[2], types.uint32)
+            o = builder.zext(o, ir.IntType(64))
+            ptr = builder.gep(builder.gep(ary.data, [b]), [o])
+            addr = builder.ptrtoint(ptr, ir.IntType(64))
+            u64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.LiteralStructType([u64] * 2), [u64])
+            asm = "{ .reg .u64 g; cvta.to.global.u64 g, $2; ld.global.nc.v2.u64 {$0, $1}, [g]; }"
+            res = builder.call(ir.InlineAsm(fnty, asm, "=l,=l,l"), [addr])
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.uint64, 2)(a, base, off), codegen
+
+    def _cp_async(nbytes, kind):
+        def typer(typingctx, s, si, a, base, off):
+            if not (isinstance(s, types.Array) and isinstance(a, types.Array) and a.layout == "C"
+                    and all(isinstance(t, types.Integer) for t in (si, base, off))):
+                return None
+
+            def codegen(context, builder, signature, args):
+                sary = context.make_array(signature.args[0])(context, builder, args[0])
+                gary = context.make_array(signature.args[2])(context, builder, args[2])
+                si_ = context.cast(builder, args[1], signature.args[1], types.uint32)
+                sptr = builder.gep(sary.data, [builder.zext(si_, ir.IntType(64))])
+                b = context.cast(builder, args[3], signature.args[3], types.int64)
+                o = builder.zext(context.cast(builder, args[4], signature.args[4], types.uint32), ir.IntType(64))
+                gptr = builder.gep(builder.gep(gary.data, [b]), [o])
+                u64 = ir.IntType(64)
+                fnty = ir.FunctionType(ir.VoidType(), [u64, u64])
+                asm = ("{ .reg .u64 s, g; .reg .u32 s32; cvta.to.shared.u64 s, $0; cvt.u32.u64 s32, s; "
+                       f"cvta.to.global.u64 g, $1; cp.async.{kind}.shared.global [s32], [g], {nbytes}; }}")
+                builder.call(ir.InlineAsm(fnty, asm, "l,l,~{memory}", side_effect=True),
+                             [builder.ptrtoint(sptr, u64), builder.ptrtoint(gptr, u64)])
+                return context.get_dummy_value()
+
+            return types.void(s, si, a, base, off), codegen
+        return intrinsic(typer)
+
+    cp_async16 = _cp_async(16, "cg")
+    cp_async4 = _cp_async(4, "ca")
+
+    def _asm_stmt(text):
+        def typer(typingctx):
+            def codegen(context, builder, signature, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return intrinsic(typer)
+
+    cp_async_commit = _asm_stmt("cp.async.commit_group;")
+    cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

@@ -483,7 +483,8 @@ def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
             outs.append(out.copy_to_host())
     finally:
         K._MMA_STAGED_GU = saved
-    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    for o in outs[1:]:
+        assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
     ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
     for t in range(n_tok):
         slot_off = cuda.to_device(table[ids[t]])
@@ -818,3 +819,73 @@ def test_f16_tiled_equals_f16_rows(monkeypatch, rows_a, rows_b, Kd, n_tok):
     for i in sorted({0, n_tok // 2, n_tok - 1}):
         one = _f16_launch(arena, offs, (rows_a, rows_b), Kd, X[i:i + 1])[0]     # the decode kernel
         assert np.array_equal(one.view(np.uint32), got[i].view(np.uint32)), f"token {i}"
+
+
+# ------------------------------------------- Q8_0 staged MMA: magic-C accumulator, 16-byte loads
+
+# (rows, K, tokens, extra offset): the engine's prefill shapes at 512 tokens (q_b, out_b, q_a,
+# kv, shared expert), short row and token tiles, every split-K regime, short last chunks, an
+# 8-mod-16 weight offset (the 16-byte loads fall back to the 8-byte ones)
+STAGED_LEAN_CASES = [(32768, 1024, 512, 0), (4096, 8192, 512, 0), (1024, 4096, 512, 0),
+                     (512, 4096, 512, 0), (2048, 4096, 512, 0), (4096, 2048, 512, 0),
+                     (37, 4096, 37, 0), (2100, 1024, 40, 0), (8200, 256, 33, 0), (300, 8192, 45, 0),
+                     (1500, 1280, 70, 0), (600, 2304, 50, 0), (70, 2048, 100, 8), (64, 256, 16, 0)]
+STAGED_LEAN_VARIANTS = [(True, False, False), (False, True, False), (True, True, False),
+                        (False, False, True), (True, False, True)]
+
+
+@pytest.mark.parametrize("magic_c,vec,cpa", STAGED_LEAN_VARIANTS,
+                         ids=[f"magic{int(m)}-vec{int(v)}-cpa{int(c)}" for m, v, c in STAGED_LEAN_VARIANTS])
+@pytest.mark.parametrize("rows,Kd,n_tok,extra", STAGED_LEAN_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in STAGED_LEAN_CASES])
+def test_q8_0_mma_staged_lean_same_bits(rows, Kd, n_tok, extra, magic_c, vec, cpa, monkeypatch):
+    """The staged kernel with the magic-bits accumulator (_MMA_ST_MAGIC_C), the 16-byte loads
+    (_MMA_ST_VEC) or the cp.async staging (_MMA_ST_CPASYNC) gives the current staged kernel's and
+    the dp4a kernel's bits."""
+    rng = _rng(90 + rows + n_tok)
+    w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+    arena, (off,) = _arena([(w, extra)])
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    X[n_tok // 2] *= 40
+    X[n_tok - 1, :64] = 0                                # zero blocks
+    xq, xd, _, _ = _prepare(F.Q8_0, X)
+    want = cuda.device_array((n_tok, rows), np.float32)
+    monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", False)
+    monkeypatch.setattr(K, "_MMA_ST_VEC", False)
+    monkeypatch.setattr(K, "_MMA_ST_CPASYNC", False)
+    K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, want, staged=True)
+    dp4a = cuda.device_array((n_tok, rows), np.float32)
+    K._launch_q8_0(arena, [(off, rows)], Kd, n_tok, xq, xd, dp4a, 0, mma=False)
+    monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", magic_c)
+    monkeypatch.setattr(K, "_MMA_ST_VEC", vec)
+    monkeypatch.setattr(K, "_MMA_ST_CPASYNC", cpa)
+    out = cuda.device_array((n_tok, rows), np.float32)
+    K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, out, staged=True)
+    got, ref = out.copy_to_host(), want.copy_to_host()
+    assert np.array_equal(ref.view(np.uint32), dp4a.copy_to_host().view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), \
+        f"max |Δ| {np.max(np.abs(got - ref)):.3g} at {np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)}"
+
+
+@pytest.mark.parametrize("extra_b", [0, 8], ids=["aligned", "b-8-mod-16"])
+@pytest.mark.parametrize("rows_a,rows_b", [(1024, 512), (100, 37)])
+def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatch):
+    """Two matrices in one launch (a tile straddles them) through the lean staged kernel."""
+    rng = _rng(95 + rows_a + extra_b)
+    Kd, n_tok = 4096, 40
+    wa = TD.random_weights(F.Q8_0, (rows_a, Kd), rng)
+    wb = TD.random_weights(F.Q8_0, (rows_b, Kd), rng)
+    arena, (off_a, off_b) = _arena([wa, (wb, extra_b)])
+    X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
+    xq, xd, _, _ = _prepare(F.Q8_0, X)
+    outs = []
+    for magic_c, vec, cpa in [(False, False, False), (True, True, False), (True, False, True)]:
+        monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", magic_c)
+        monkeypatch.setattr(K, "_MMA_ST_VEC", vec)
+        monkeypatch.setattr(K, "_MMA_ST_CPASYNC", cpa)
+        out = cuda.device_array((n_tok, rows_a + rows_b), np.float32)
+        K._launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], Kd, n_tok, xq, xd, out, 0,
+                       mma=True, staged=True)
+        outs.append(out.copy_to_host())
+    for o in outs[1:]:
+        assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
