@@ -32,8 +32,9 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              cp_async16, cp_async4, cp_async_commit, cp_async_wait1, ld_u64x2,
-                              masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter)
+                              cp_async16, cp_async4, cp_async_commit, cp_async_wait1, iq2_permute,
+                              ld_u64x2, masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
 
@@ -2572,6 +2573,287 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
     return moe_gate_up_tiles_staged
 
 
+# ---- gate/up prefill, staged, lean decode -----------------------------------------------------
+#
+# The staged kernel above with fewer instructions per MMA (SASS of its step loop, ptxas sm_90:
+# 1,086 instructions for 32 MMAs; by kind 328 IMAD, 193 LOP3, 181 LDS, 128 SHF, 74 LEA). Three
+# changes, none in the integer dots or the f32 side (the same A bytes, the same MMAs, the same
+# imad / fma sequence per output, so the same bits):
+#
+# * the signed weights from byte-permute selectors (iq2_permute): the grid as 4-bit selectors of
+#   the bytes 8, 25, 43 (uint32 per entry) and the signs as selector bit 2 (uint32 per pattern),
+#   so an entry is 2 LDS.32 + 4 instructions instead of 2 LDS.64 + 6 (masked_negate twice), and
+#   the tables' loads are half the bytes (32 lanes' random entries: fewer bank wavefronts);
+# * the table offsets in 2 instructions (a rotate or 64-bit shift that lands the index at its
+#   byte offset, then one mask) instead of 3, and super-block 0 of a step (2 bytes into the
+#   words) without the funnel shifts: a lane's index field is taken from the two words by one
+#   64-bit shift (shr64_lo), the scale from the third word;
+# * the step's weight loads from 32-bit row offsets in shared memory added to one 64-bit base per
+#   matrix and step, instead of 64-bit offsets per row (LDS.64, 64-bit add, LEA pair per row).
+#
+# _GU_ST_COPIES copies of each table (lane l reads copy l % copies) spread a warp's random
+# lookups over more banks (1: 1.5 KB of tables; 4: 6 KB).
+
+_GU_ST_LEAN = False     # moe_prefill's staged gate/up: the lean kernel (same bits) where it applies
+_GU_ST_COPIES = 1       # copies of the lean kernel's selector tables (1, 2, 4 or 8)
+
+_SEL_TABLES = None
+
+
+def iq2_selector_tables():
+    """Host tables of the lean gate/up kernel: the IQ2_XXS grid as byte-permute selectors
+    (uint32[256]: nibble k = 1, 2, 3 for the value 8, 25, 43 of weight k) and the 128 sign
+    patterns as selector bit 2 (uint32[128]: nibble k = 4 where weight k is negated)."""
+    code = np.zeros(256, np.uint32)
+    code[[8, 25, 43]] = [1, 2, 3]
+    grid = F.IQ2XXS_GRID_BYTES
+    assert np.all(code[grid] > 0), "IQ2_XXS grid values other than 8, 25, 43"
+    nib = np.uint32(1) << (np.uint32(4) * np.arange(8, dtype=np.uint32))
+    gsel = (code[grid] * nib).sum(axis=1).astype(np.uint32)
+    bits = (F.KSIGNS_IQ2XS[:, None].astype(np.uint32) >> np.arange(8, dtype=np.uint32)) & np.uint32(1)
+    ssel = (bits * np.uint32(4) * nib).sum(axis=1).astype(np.uint32)
+    return gsel, ssel
+
+
+def _iq2_selector_tables_device():
+    global _SEL_TABLES
+    if _SEL_TABLES is None:
+        _SEL_TABLES = tuple(cuda.to_device(t) for t in iq2_selector_tables())
+    return _SEL_TABLES
+
+
+def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
+    """_moe_gate_up_tiles_staged_kernel (the same launch, the same numbers) with the lean decode
+    above; its last two arguments are the selector tables (iq2_selector_tables) instead of the
+    grid and sign tables. copies: 1, 2, 4 or 8 copies of each table in shared memory."""
+    assert copies in (1, 2, 4, 8)
+    scale = float32(_FINAL_SCALE[F.IQ2_XXS])
+    TILE = 8 * NH
+    NB = 4 * NH
+    NACC = 4 * NB
+    ROWS = 2 * _GU_ST_ROWS
+    WP = _GU_ST_WPAD
+    XP = _GU_ST_XPAD
+    RPW = ROWS // 8
+    PPW = TILE // 8
+    XCH = 4 * NB * WARP
+    SW_N = ROWS * WP
+    SX_N = TILE * XP
+    SXD_N = 2 * TILE
+    PW_N = RPW + 1
+    PX_N = 2 * PPW
+    SH = 2 + copies.bit_length() - 1            # log2 of a table entry's bytes with its copies
+    MG = np.uint32(0xFF << SH)                  # the grid index field at its byte offset
+    MS = np.uint32(0x7F << SH)                  # the sign index field
+    GN = 256 * copies                          # the tables' words with their copies
+    SN = 128 * copies
+    assert ROWS == 128 and RPW == 16
+
+    @_inline
+    def load_step(a32, rbase, roff, wbase_g, wbase_u, xq64, xd, s, tok_w, tok_d, words, nsb, warp, lane,
+                  tid, pw, px, pd):
+        """As the staged kernel's; rows w + 8i are gate rows for i < 8, up rows after (the
+        32-bit word offsets roff from the matrix's first word, wbase_*)."""
+        bg = uint64(wbase_g + 33 * s + lane)           # unsigned: int64 + uint64 would be a float
+        bu = uint64(wbase_u + 33 * s + lane)
+        for i in range(RPW):
+            if i < RPW // 2:
+                pw[i] = a32[_ix(bg + uint64(roff[_ix(warp + 8 * i)]))]
+            else:
+                pw[i] = a32[_ix(bu + uint64(roff[_ix(warp + 8 * i)]))]
+        if lane < RPW:
+            pw[RPW] = a32[_ix(rbase[_ix(warp + 8 * lane)] + 33 * s + 32)]
+        for i in range(PPW):
+            src = tok_w[i] * words + 64 * s + lane
+            px[2 * i] = xq64[_ix(src)]
+            px[2 * i + 1] = xq64[_ix(src + 32)]
+        if tid < 2 * TILE:
+            pd[0] = xd[_ix(tok_d * nsb + 2 * s + (tid & 1))]
+
+    @_inline
+    def store_step(sw, sx, sxd, warp, lane, tid, pw, px, pd):
+        for i in range(RPW):
+            sw[_ix((warp + 8 * i) * WP + lane)] = pw[i]
+        if lane < RPW:
+            sw[_ix((warp + 8 * lane) * WP + 32)] = pw[RPW]
+        for i in range(PPW):
+            o = (warp + 8 * i) * XP + lane
+            sx[_ix(o)] = px[2 * i]
+            sx[_ix(o + 32)] = px[2 * i + 1]
+        if tid < 2 * TILE:
+            sxd[_ix(tid)] = pd[0]
+
+    @_inline
+    def row_fields(sw, gsel_s, ssel_s, r, b, j, lsh, loff):
+        """Row offset r's group j of super-block b: its entry's selector words (this lane's grid
+        entry of the 4) and its scale 2·s + 1. Super-block 0 starts 2 bytes into the words: the
+        aux words are bits 16.. of the pairs (w0, w1), (w1, w2), so a field at bit p of aux is
+        bit p + 16 of the pair (one 64-bit shift); the scale, bits 28..31 of aux1, is bits
+        12..15 of w2. lsh: the lane's shifts (b0 grid, b0 sign, b1 grid, b1 sign)."""
+        if b == 0:
+            w0 = sw[_ix(r + 2 * j)]
+            w1 = sw[_ix(r + 2 * j + 1)]
+            w2 = sw[_ix(r + 2 * j + 2)]
+            og = (shr64_lo(w0, w1, lsh[0]) & MG) | loff
+            os = (shr64_lo(w1, w2, lsh[1]) & MS) | loff
+            ls = imad((w2 >> uint32(12)) & uint32(15), 2, 1)
+        else:
+            aux0 = sw[_ix(r + 17 + 2 * j)]
+            aux1 = sw[_ix(r + 18 + 2 * j)]
+            og = (funnel_r(aux0, aux0, lsh[2]) & MG) | loff
+            os = (funnel_r(aux1, aux1, lsh[3]) & MS) | loff
+            ls = imad(aux1 >> uint32(28), 2, 1)
+        return gsel_s[_ix(og >> uint32(2))], ssel_s[_ix(os >> uint32(2))], ls
+
+    @_inline
+    def block_scale(sw, r, b):
+        if b == 0:
+            return f16_bits_to_f32(sw[_ix(r)] & _M16)
+        return f16_bits_to_f32(sw[_ix(r + 16)] >> uint32(16))
+
+    @_inline
+    def group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, j, bsum):
+        g_lo, s_lo, ls_lo = row_fields(sw, gsel_s, ssel_s, r_lo, b, j, lsh, loff)
+        g_hi, s_hi, ls_hi = row_fields(sw, gsel_s, ssel_s, r_hi, b, j, lsh, loff)
+        # k order (Q8_0 section): lane tig takes the 8 weights of grid entry tig
+        a0, a2 = iq2_permute(g_lo, s_lo, pos)
+        a1, a3 = iq2_permute(g_hi, s_hi, pos)
+        for h in range(NH):
+            if h < halves:                     # warp-uniform
+                bx = sx[_ix(xo + h * 8 * XP + 32 * b + 4 * j)]
+                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> uint64(32))
+                bsum[4 * h] = imad(c0, ls_lo, bsum[4 * h])
+                bsum[4 * h + 1] = imad(c1, ls_lo, bsum[4 * h + 1])
+                bsum[4 * h + 2] = imad(c2, ls_hi, bsum[4 * h + 2])
+                bsum[4 * h + 3] = imad(c3, ls_hi, bsum[4 * h + 3])
+
+    @_inline
+    def super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, b, acc, bsum):
+        for e in range(NB):
+            bsum[e] = int32(0)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 0, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 1, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 2, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 3, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 4, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 5, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 6, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 7, bsum)
+        dw_lo = block_scale(sw, r_lo, b)
+        dw_hi = block_scale(sw, r_hi, b)
+        for h in range(NH):
+            xd0 = sxd[_ix((8 * h + 2 * tig) * 2 + b)]
+            xd1 = sxd[_ix((8 * h + 2 * tig + 1) * 2 + b)]
+            e = NB * b + 4 * h
+            acc[e] = cuda.fma(dw_lo * xd0, float32(bsum[4 * h]), acc[e])
+            acc[e + 1] = cuda.fma(dw_lo * xd1, float32(bsum[4 * h + 1]), acc[e + 1])
+            acc[e + 2] = cuda.fma(dw_hi * xd0, float32(bsum[4 * h + 2]), acc[e + 2])
+            acc[e + 3] = cuda.fma(dw_hi * xd1, float32(bsum[4 * h + 3]), acc[e + 3])
+
+    jit = _jit_capped(max_regs)
+
+    @jit
+    def moe_gate_up_tiles_lean(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
+                               route_w, clamp, n_ff, rb, mid, gsel_g, ssel_g):
+        pdl_enter()
+        gsel_s = cuda.shared.array(GN, uint32)
+        ssel_s = cuda.shared.array(SN, uint32)
+        sw = cuda.shared.array(SW_N, uint32)
+        sx = cuda.shared.array(SX_N, uint64)
+        sxd = cuda.shared.array(SXD_N, float32)
+        rbase = cuda.shared.array(ROWS, int64)
+        roff = cuda.shared.array(ROWS, uint32)
+        xch = cuda.shared.array(XCH, float32)
+        pos_s = cuda.shared.array(WARP, uint32)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:                                   # block-uniform
+            return
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        row0 = cuda.blockIdx.x * _GU_ST_ROWS
+        base = tile * TILE
+        for i in range(tid, GN, cuda.blockDim.x):      # entry i // copies, copy i % copies
+            gsel_s[i] = gsel_g[i // copies]
+        for i in range(tid, SN, cuda.blockDim.x):
+            ssel_s[i] = ssel_g[i // copies]
+        if tid < WARP:
+            pos_s[tid] = uint32(0x2B190800)            # iq2_permute's bytes 0, 8, 25, 43
+        wbase_g = tile_off[tile * 3] >> 2              # the matrices' first 32-bit words
+        wbase_u = tile_off[tile * 3 + 1] >> 2
+        if tid < ROWS:                                 # staged row tid: matrix tid >> 6
+            r = min(row0 + (tid & (_GU_ST_ROWS - 1)), n_ff - 1)      # a short last group repeats a row
+            roff[tid] = uint32((r * rb) >> 2)
+            rbase[tid] = (tile_off[tile * 3 + (tid >> 6)] + r * rb) >> 2
+        tok_w = cuda.local.array(PPW, int64)
+        for i in range(PPW):
+            tok_w[i] = tile_tok[base + min(warp + 8 * i, cnt - 1)]
+        tok_d = tile_tok[base + min(tid >> 1, cnt - 1)] if tid < 2 * TILE else 0
+        words = 32 * nsb
+        halves = (cnt + 7) >> 3
+        m = warp >> 2
+        rt = warp & 3
+        r_lo = uint32((64 * m + 16 * rt + gid) * WP)
+        r_hi = r_lo + uint32(8 * WP)
+        xo = uint32(gid * XP + tig)
+        # the lane's index fields (grid byte tig of aux0, sign bits 7·tig of aux1) moved to bit SH
+        lsh = cuda.local.array(4, uint32)
+        lsh[0] = uint32(16 + 8 * tig - SH)
+        lsh[1] = uint32(16 + 7 * tig - SH)
+        lsh[2] = uint32((8 * tig - SH) & 31)
+        lsh[3] = uint32((7 * tig - SH) & 31)
+        loff = uint32((lane & (copies - 1)) << 2)      # the lane's copy, in bytes
+        pw = cuda.local.array(PW_N, uint32)
+        px = cuda.local.array(PX_N, uint64)
+        pd = cuda.local.array(1, float32)
+        acc = cuda.local.array(NACC, float32)
+        for e in range(NACC):
+            acc[e] = float32(0.0)
+        bsum = cuda.local.array(NB, int32)
+        cuda.syncthreads()
+        # a register for the whole loop: read as a constant (or from one shared word, which ptxas
+        # reads into a uniform register) it is moved into a register before every prmt (SASS)
+        pos = pos_s[lane]
+        nsteps = nsb >> 1
+        load_step(a32, rbase, roff, wbase_g, wbase_u, xq64, xd, 0, tok_w, tok_d, words, nsb, warp, lane, tid,
+                  pw, px, pd)
+        for s in range(nsteps):
+            cuda.syncthreads()
+            store_step(sw, sx, sxd, warp, lane, tid, pw, px, pd)
+            cuda.syncthreads()
+            if s + 1 < nsteps:
+                load_step(a32, rbase, roff, wbase_g, wbase_u, xq64, xd, s + 1, tok_w, tok_d, words, nsb, warp,
+                          lane, tid, pw, px, pd)
+            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, 0, acc, bsum)
+            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, 1, acc, bsum)
+            for e in range(2 * NB):
+                first = acc[e]
+                acc[e] = acc[2 * NB + e]
+                acc[2 * NB + e] = first
+        if m == 1:
+            for e in range(NB):
+                v = scale * ((acc[e] + acc[2 * NB + e]) + (acc[NB + e] + acc[3 * NB + e]))
+                xch[_ix((rt * NB + e) * WARP + lane)] = v
+        cuda.syncthreads()
+        if m == 0:
+            c32 = float32(clamp)
+            for h in range(NH):
+                for k in range(4):
+                    e = 4 * h + k
+                    row = row0 + 16 * rt + gid + 8 * (k >> 1)
+                    col = 8 * h + 2 * tig + (k & 1)
+                    if row < n_ff and col < cnt:
+                        g = scale * ((acc[e] + acc[2 * NB + e]) + (acc[NB + e] + acc[3 * NB + e]))
+                        u = xch[_ix((rt * NB + e) * WARP + lane)]
+                        pair = tile_tok[base + col] * n_used + tile_slot[base + col]
+                        mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
+
+    return moe_gate_up_tiles_lean
+
+
 def _moe_down_tiles_mma_kernel(NH):
     """Prefill down projection for Q2_K experts on the int8 tensor cores: a warp takes 16 output
     rows x one tile of <= 8·NH pairs (NH MMA column halves of 8 pairs; the A fragment is built once
@@ -3401,7 +3683,13 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     a16, a32, _, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
-    if mma_gu and _MMA_STAGED_GU and gate_up_staged_applies(n_embd):
+    if mma_gu and _MMA_STAGED_GU and _GU_ST_LEAN and gate_up_staged_applies(n_embd):
+        NH, copies = _MMA_HALVES_GU, _GU_ST_COPIES
+        gu = _cached(("moe_gu_tiles_lean", NH, copies), lambda: _moe_gate_up_tiles_lean_kernel(NH, copies))
+        gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](
+            a32, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w),
+            np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, *_iq2_selector_tables_device())
+    elif mma_gu and _MMA_STAGED_GU and gate_up_staged_applies(n_embd):
         NH = _MMA_HALVES_GU
         gu = _cached(("moe_gu_tiles_staged", NH), lambda: _moe_gate_up_tiles_staged_kernel(NH))
         gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](

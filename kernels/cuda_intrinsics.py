@@ -55,6 +55,15 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
   PTX shf.r.wrap.b32): a word at a 2-byte offset from two aligned ones, in one instruction.
+* ``shr64_lo(lo, hi, n)``: the low 32 bits of the 64-bit value hi:lo shifted right by n
+  (0 <= n < 64; PTX shr.b64 of the pair): a field that may start in either word, one SHF.
+* ``iq2_permute(gsel, ssel, pos)``: the 8 signed IQ2_XXS weights of one grid entry as two words
+  (the low 4 weights, the high 4) from byte-permute selectors: gsel's nibble k is 1, 2, 3 for the
+  grid value 8, 25, 43 of weight k, ssel's nibble k is 4 where weight k is negated; the OR of the
+  two selects from the 8 bytes 0, 8, 25, 43 (pos, which must be 0x2B190800) and 0, -8, -25, -43
+  (two prmt.b32, an or and a shift: four instructions where two masked_negate take six). pos is
+  an operand so that the caller can hold it in a register: a prmt takes one immediate, and given
+  two constants ptxas moved the other one from a uniform register before every prmt (SASS).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -218,6 +227,19 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def funnel_r(lo, hi, n):
         v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
         return np.uint32((v >> (int(n) & 31)) & 0xFFFFFFFF)
+
+    def shr64_lo(lo, hi, n):
+        v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
+        return np.uint32((v >> (int(n) & 63)) & 0xFFFFFFFF)
+
+    _IQ2_PERMUTE_BYTES = (0, 8, 25, 43, 0, 0xF8, 0xE7, 0xD5)
+
+    def iq2_permute(gsel, ssel, pos):
+        assert int(pos) == 0x2B190800
+        sel = (int(gsel) | int(ssel)) & 0xFFFFFFFF
+        w = [sum(_IQ2_PERMUTE_BYTES[(sel >> (4 * (4 * h + k))) & 7] << (8 * k) for k in range(4))
+             for h in range(2)]
+        return np.uint32(w[0]), np.uint32(w[1])
 
     def mul_rn(a, b):
         return np.float32(np.float32(a) * np.float32(b))
@@ -449,6 +471,28 @@ else:
 
         return sig, codegen
 
+    @intrinsic
+    def iq2_permute(typingctx, gsel, ssel, pos):
+        if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos)):
+            return None
+        sig = types.UniTuple(types.uint32, 2)(gsel, ssel, pos)
+
+        def codegen(context, builder, signature, args):
+            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32, i32, i32])
+            asm = ("{ .reg .b32 n, s, h; "
+                   "mov.b32 n, 0xD5E7F800; "             # bytes 0, -8, -25, -43 (selector 4..7)
+                   "or.b32 s, $2, $3; "
+                   "shr.b32 h, s, 16; "
+                   "prmt.b32 $0, $4, n, s; "
+                   "prmt.b32 $1, $4, n, h; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,r,r,r"), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return sig, codegen
+
     def _unary_asm(name, ret, asm):
         """An intrinsic of one 32-bit integer operand computed by the inline PTX `asm`
         ($0 the result, $1 the operand)."""
@@ -487,6 +531,8 @@ else:
     bfe = _ternary_asm("bfe", types.int32, "bfe.u32 $0, $1, $2, $3;")
     imad = _ternary_asm("imad", types.int32, "mad.lo.s32 $0, $1, $2, $3;")
     funnel_r = _ternary_asm("funnel_r", types.uint32, "shf.r.wrap.b32 $0, $1, $2, $3;")
+    shr64_lo = _ternary_asm("shr64_lo", types.uint32,
+                            "{ .reg .b64 v; mov.b64 v, {$1, $2}; shr.b64 v, v, $3; cvt.u32.u64 $0, v; }")
 
     def _binary_asm(name, ret, asm):
         """An intrinsic of two 32-bit integer operands computed by the inline PTX `asm` ($0 the

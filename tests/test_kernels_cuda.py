@@ -889,3 +889,71 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
         outs.append(out.copy_to_host())
     for o in outs[1:]:
         assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
+
+
+# ---- the lean staged gate/up kernel (_GU_ST_LEAN, _GU_ST_COPIES) ------------------------------
+
+@pytest.mark.parametrize("copies", [1, 2, 4, 8])
+@pytest.mark.parametrize("n_embd,n_ff,n_tok", [(1536, 512, 23), (2048, 256, 23), (1024, 768, 37),
+                                               (4096, 2048, 61)])
+def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
+    """The lean gate/up kernel (byte-permute decode) against the staged kernel it replaces, bit for
+    bit (uint32 views of moe_prefill's output): odd and even step counts (1536: 3 steps; 1024: 2),
+    tiles of 1 to 16 pairs, the flash shape (4096 -> 2048); every copy count of the tables; and
+    against moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
+    rng = _rng(17)
+    n_exp = 8
+    gate = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, (og, ou, od) = _arena([gate, up, down])
+    s_gu, s_d = n_ff * gate.shape[2], n_embd * down.shape[2]
+    table = np.array([[og + e * s_gu, ou + e * s_gu, od + e * s_d] for e in range(n_exp)], np.int64)
+    X = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(n_exp, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 2                              # n_tok pairs of expert 2: full tiles and a partial one
+    ids[: n_tok // 3, 1] = 5
+    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    outs = []
+    saved = (K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES)
+    try:
+        for lean in (False, True):
+            K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = True, lean, copies
+            out = cuda.device_array((n_tok, n_embd), np.float32)
+            K.moe_prefill(arena, table, F.IQ2_XXS, F.Q2_K, n_embd, n_ff, cuda.to_device(X), ids,
+                          cuda.to_device(rw), 10.0, out, mma=True)
+            outs.append(out.copy_to_host())
+    finally:
+        K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
+    for t in range(n_tok):
+        slot_off = cuda.to_device(table[ids[t]])
+        y = cuda.device_array(n_embd, np.float32)
+        K.moe_decode(arena, slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]), cuda.to_device(rw[t]), 10.0,
+                     y, ws)
+        assert np.array_equal(outs[1][t], y.copy_to_host()), f"token {t}"
+
+
+@pytest.mark.parametrize("grouping", ["host", "device"])
+def test_moe_prefill_lean_tokens_equal_decode(experts, grouping, monkeypatch):
+    """moe_prefill with the lean gate/up kernel (and the staged down) equals moe_decode per token."""
+    monkeypatch.setattr(K, "_MMA_STAGED_GU", True)
+    monkeypatch.setattr(K, "_MMA_STAGED_DN", True)
+    monkeypatch.setattr(K, "_GU_ST_LEAN", True)
+    rng = _rng(7)
+    n_tok = 19
+    X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.choice(N_EXP, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 3
+    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    out = cuda.device_array((n_tok, N_EMBD), np.float32)
+    on_device = grouping == "device"
+    K.moe_prefill(experts["arena"], cuda.to_device(experts["table"]) if on_device else experts["table"],
+                  F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF, cuda.to_device(X), cuda.to_device(ids) if on_device else ids,
+                  cuda.to_device(rw), 10.0, out, mma=True)
+    Y = out.copy_to_host()
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    for t in range(n_tok):
+        y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
+        assert np.array_equal(Y[t], y), f"token {t}"
