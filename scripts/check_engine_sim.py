@@ -25,6 +25,7 @@ from numba import cuda
 ops.BLOCK = 64                     # fewer simulated threads; every kernel loops over its data
 ops.BLOCK2 = 128
 ops.ATTN_SPLITS = 4                # decode attention row ranges (the tiny model's rows fit in few)
+ops.Q_HEADS_THREADS = 64
 import ds4py.forward_cuda as fc    # noqa: E402
 
 fc.BLOCK = 64

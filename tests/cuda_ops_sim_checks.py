@@ -216,6 +216,37 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
         close(f"sink attention, {name} (T={n_tok} t={t}, {len(rows)} rows)", got[t], np.concatenate(want), 1e-5)
 
 
+def check_hc_mix_const():
+    """hc_mix_tokens' copy with the model's sizes as constants (HC_MIX_CONST: 4 streams, 24 rows,
+    BLOCK threads, chunks of 1,024) against its general copy, bit for bit, for 5 tokens (a partial
+    token group). Each copy compiled apart (on the GPU the knob is read when the kernel compiles;
+    the simulator reads it while the kernel runs)."""
+    n_hc, n_embd, n_tok = ops.HC_MAX, 1024, 5
+    chunk = ops.hc_chunk(n_embd)
+    n_chunks = n_hc * n_embd // chunk
+    rows = ops.HC_MIX_MAX
+    d_state = cuda.to_device(rng.normal(0, 1, (n_tok, n_hc, n_embd)).astype(np.float32))
+    d_fn = cuda.to_device(rng.normal(0, 0.02, rows * n_hc * n_embd).astype(np.float16))
+    saved = ops.HC_MIX_CONST
+    outs = {}
+    try:
+        for const in (True, False):
+            ops.HC_MIX_CONST = const
+            kernel = cuda.jit(ops.hc_mix_tokens.py_func)
+            parts = (cuda.device_array((n_tok, rows, n_chunks), np.float32), cuda.device_array((n_tok, n_chunks), np.float64),
+                     cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64))
+            kernel[(n_chunks, (n_tok + ops.HC_TOKENS - 1) // ops.HC_TOKENS), ops.BLOCK](
+                d_state, d_fn, 0, chunk, True, *parts)
+            outs[const] = [a.copy_to_host() for a in parts]
+    finally:
+        ops.HC_MIX_CONST = saved
+    for name, a, b in zip(("dots", "Σx²", "Gram"), outs[True], outs[False]):
+        same = np.array_equal(a, b)
+        print(("ok " if same else "BAD") + f" hc_mix_tokens {name}, constant sizes = general copy: {same}")
+        if not same:
+            raise SystemExit(f"hc_mix_tokens' constant-size copy differs ({name})")
+
+
 def check_attention():
     # the indexer's selection (ratio 4), uneven tiles over splits, heads not a multiple of 8
     attention_case("selected", 3, 128, 8, [21], 4, 10, [[0, 2, 3]], 3)
@@ -537,6 +568,8 @@ if __name__ == "__main__":
     check_hc(2)
     if slow:                        # a whole group of hc_mix_tokens' HC_TOKENS tokens and a short one
         check_hc(5)
+    if slow:                        # 8 blocks of 256 threads: ~5 minutes in the simulator
+        check_hc_mix_const()
     check_qat_and_rope(1)
     check_qat_and_rope(3)
     print(f"   ({time.time() - t0:.0f} s)")
