@@ -455,13 +455,10 @@ def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, gro
         assert np.array_equal(Y[t], y), f"token {t}"
 
 
-@pytest.mark.parametrize("n_embd,n_ff", [(1536, 512), (2048, 256)])
-def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
-    """The staged gate/up kernel against the tensor-core tile kernel, bit for bit, on shapes whose
-    step count is odd (1536: 3 steps of 2 super-blocks, the sum banks end swapped) and even, with
-    tiles of 1 to 16 pairs; and against moe_decode for every token."""
-    rng = _rng(13)
-    n_exp, n_tok = 8, 23
+def _moe_prefill_case(rng, n_embd, n_ff, n_tok, n_exp=8):
+    """Random IQ2_XXS gate/up and Q2_K down experts in one arena, their offset table, n_tok
+    activations, expert ids (slot 0 always expert 2: n_tok pairs of one expert, full tiles and a
+    partial one) and route weights: (arena, table, X, ids, rw)."""
     gate = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
     down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
@@ -470,8 +467,29 @@ def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
     table = np.array([[og + e * s_gu, ou + e * s_gu, od + e * s_d] for e in range(n_exp)], np.int64)
     X = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
     ids = np.stack([rng.choice(n_exp, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 2                              # 23 pairs of expert 2: tiles of 16 and 7
+    ids[:, 0] = 2
     rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    return arena, table, X, ids, rw
+
+
+def _assert_tokens_equal_decode(out, arena, table, X, ids, rw, n_ff):
+    """Every token's moe_prefill output `out` equals moe_decode of that token, bit for bit."""
+    n_tok, n_embd = X.shape
+    ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
+    for t in range(n_tok):
+        y = cuda.device_array(n_embd, np.float32)
+        K.moe_decode(arena, cuda.to_device(table[ids[t]]), F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]),
+                     cuda.to_device(rw[t]), 10.0, y, ws)
+        assert np.array_equal(out[t], y.copy_to_host()), f"token {t}"
+
+
+@pytest.mark.parametrize("n_embd,n_ff", [(1536, 512), (2048, 256)])
+def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
+    """The staged gate/up kernel against the tensor-core tile kernel, bit for bit, on shapes whose
+    step count is odd (1536: 3 steps of 2 super-blocks, the sum banks end swapped) and even, with
+    tiles of 1 to 16 pairs; and against moe_decode for every token."""
+    n_tok = 23                                 # 23 pairs of expert 2: tiles of 16 and 7
+    arena, table, X, ids, rw = _moe_prefill_case(_rng(13), n_embd, n_ff, n_tok)
     outs = []
     saved = K._MMA_STAGED_GU
     try:
@@ -485,13 +503,7 @@ def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
         K._MMA_STAGED_GU = saved
     for o in outs[1:]:
         assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
-    ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
-    for t in range(n_tok):
-        slot_off = cuda.to_device(table[ids[t]])
-        y = cuda.device_array(n_embd, np.float32)
-        K.moe_decode(arena, slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]), cuda.to_device(rw[t]), 10.0,
-                     y, ws)
-        assert np.array_equal(outs[1][t], y.copy_to_host()), f"token {t}"
+    _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
 
 
 @pytest.mark.parametrize("n_ff,n_embd", [(256, 392), (768, 200), (1280, 136)])
@@ -901,19 +913,8 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
     bit (uint32 views of moe_prefill's output): odd and even step counts (1536: 3 steps; 1024: 2),
     tiles of 1 to 16 pairs, the flash shape (4096 -> 2048); every copy count of the tables; and
     against moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
-    rng = _rng(17)
-    n_exp = 8
-    gate = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
-    up = TD.random_weights(F.IQ2_XXS, (n_exp, n_ff, n_embd), rng)
-    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
-    arena, (og, ou, od) = _arena([gate, up, down])
-    s_gu, s_d = n_ff * gate.shape[2], n_embd * down.shape[2]
-    table = np.array([[og + e * s_gu, ou + e * s_gu, od + e * s_d] for e in range(n_exp)], np.int64)
-    X = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
-    ids = np.stack([rng.choice(n_exp, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 2                              # n_tok pairs of expert 2: full tiles and a partial one
+    arena, table, X, ids, rw = _moe_prefill_case(_rng(17), n_embd, n_ff, n_tok)
     ids[: n_tok // 3, 1] = 5
-    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
     outs = []
     saved = (K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES)
     try:
@@ -926,13 +927,7 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
     finally:
         K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
-    ws = K.MoEWorkspace(N_USED, n_embd, n_ff)
-    for t in range(n_tok):
-        slot_off = cuda.to_device(table[ids[t]])
-        y = cuda.device_array(n_embd, np.float32)
-        K.moe_decode(arena, slot_off, F.IQ2_XXS, F.Q2_K, cuda.to_device(X[t]), cuda.to_device(rw[t]), 10.0,
-                     y, ws)
-        assert np.array_equal(outs[1][t], y.copy_to_host()), f"token {t}"
+    _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
