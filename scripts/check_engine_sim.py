@@ -247,6 +247,8 @@ class FileArenaSource:
 
 
 KEEP = ("zeros", "pos", "token")        # scratch the engine fills itself and then only reads
+KEEP += ("attn_counts",)                  # attention_decode's counts: zero at allocation, and each
+                                          # launch leaves them zero (state, not scratch)
 
 
 def poison_scratch(engine):
