@@ -428,14 +428,17 @@ def gate_up_kernel(request):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma,staged_gu,staged_dn", [(False, False, False), (True, False, False),
-                                                   (True, True, False), (True, True, True)],
-                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, grouping, monkeypatch):
+@pytest.mark.parametrize("mma,staged_gu,staged_dn,lean", [(False, False, False, False), (True, False, False, False),
+                                                        (True, True, False, False), (True, True, True, False),
+                                                        (True, True, True, True)],
+                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, lean, grouping, monkeypatch):
     """Every token of moe_prefill equals moe_decode bit for bit; with the tensor cores, gate/up and
-    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN)."""
+    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), gate/up by the lean
+    staged kernel (_GU_ST_LEAN)."""
     monkeypatch.setattr(K, "_MMA_STAGED_GU", staged_gu)
     monkeypatch.setattr(K, "_MMA_STAGED_DN", staged_dn)
+    monkeypatch.setattr(K, "_GU_ST_LEAN", lean)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -930,25 +933,3 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
 
 
-@pytest.mark.parametrize("grouping", ["host", "device"])
-def test_moe_prefill_lean_tokens_equal_decode(experts, grouping, monkeypatch):
-    """moe_prefill with the lean gate/up kernel (and the staged down) equals moe_decode per token."""
-    monkeypatch.setattr(K, "_MMA_STAGED_GU", True)
-    monkeypatch.setattr(K, "_MMA_STAGED_DN", True)
-    monkeypatch.setattr(K, "_GU_ST_LEAN", True)
-    rng = _rng(7)
-    n_tok = 19
-    X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
-    ids = np.stack([rng.choice(N_EXP, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 3
-    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
-    out = cuda.device_array((n_tok, N_EMBD), np.float32)
-    on_device = grouping == "device"
-    K.moe_prefill(experts["arena"], cuda.to_device(experts["table"]) if on_device else experts["table"],
-                  F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF, cuda.to_device(X), cuda.to_device(ids) if on_device else ids,
-                  cuda.to_device(rw), 10.0, out, mma=True)
-    Y = out.copy_to_host()
-    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
-    for t in range(n_tok):
-        y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
-        assert np.array_equal(Y[t], y), f"token {t}"
