@@ -931,5 +931,3 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
         K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
-
-
