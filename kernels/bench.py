@@ -587,12 +587,15 @@ def bench_tune_prefill(timer, rng, log):
     knobs = ("_MMA_ST_ROWS", "_MMA_ST_TOKS", "_MMA_ST_REGS", "_MMA_ST_PREFETCH", "_MMA_ST_MAGIC_C",
              "_MMA_ST_VEC", "_MMA_ST_CPASYNC")
     saved = tuple(getattr(CK, k) for k in knobs)
-    # (rows, tokens, register cap, prefetch, magic C, 16-byte loads, cp.async)
+    # (rows, tokens, register cap, prefetch, magic C, 16-byte loads, cp.async: 2 the lean staging)
     variants = [(32, 32, 128, True, False, False, False), (32, 32, 128, True, True, False, False),
                 (32, 32, 128, True, False, True, False), (32, 32, 128, True, True, True, False),
                 (32, 32, 168, True, True, True, False), (32, 32, 0, True, True, True, False),
                 (32, 32, 128, True, False, False, True), (32, 32, 128, True, True, False, True),
                 (32, 32, 168, True, True, False, True),
+                (32, 32, 128, True, False, False, 2), (32, 32, 128, True, True, False, 2),
+                (32, 32, 168, True, True, False, 2), (64, 16, 128, True, True, False, 2),
+                (32, 16, 128, True, True, False, 2),
                 (64, 16, 128, True, False, False, False), (64, 16, 128, True, True, True, False),
                 (32, 16, 128, True, True, True, False), (64, 32, 0, True, True, True, False)]
     res = []
@@ -606,7 +609,7 @@ def bench_tune_prefill(timer, rng, log):
             out = cuda.device_array((n, rows), np.float32)
             runs = [("direct", None)] + [
                 (f"staged {R}x{T} regs={g or 'none'}{'' if pf else ' no-prefetch'}"
-                 f"{' magicC' if mc else ''}{' vec' if vec else ''}{' cp.async' if cpa else ''}",
+                 f"{' magicC' if mc else ''}{' vec' if vec else ''}{' lean' if cpa == 2 else ''}{' cp.async' if cpa else ''}",
                  (R, T, g, pf, mc, vec, cpa)) for R, T, g, pf, mc, vec, cpa in variants]
             want = None
             for label, v in runs:

@@ -32,9 +32,9 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              cp_async16, cp_async4, cp_async_commit, cp_async_wait1, iq2_permute,
-                              ld_u64x2, masked_negate, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
-                              shr64_lo)
+                              cp_async16, cp_async4, cp_async16_at, cp_async4_at, cp_async_commit,
+                              cp_async_wait1, iq2_permute, ld_half, ld_pair, ld_u64x2, masked_negate,
+                              mma_s8, mma_s8_acc, negate_bytes, pdl_enter, shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
 
@@ -584,6 +584,15 @@ _MMA_ST_VEC = False
 # The 16-byte loads of _MMA_ST_VEC as cp.async copies straight into a second set of staging
 # buffers (double-buffered shared memory, 47.6 KB a block): no registers in flight, no STS; the
 # same bytes in the same places, so the same bits (the same alignment needs as _MMA_ST_VEC).
+# 2 (lean cp.async): lane l copies chunks l % 8, + 8, + 16 of staged row l // 8 (tokens alike), so
+# a lane's copies are one shared and one global base plus immediates (the shared offsets reach the
+# copy as an immediate operand: LLVM hoisted one 64-bit address per copy and buffer, ptxas spilled
+# them); the activation scales block-major (a lane's token pair in one 8-byte load), the weight
+# scales as 16-bit loads, token tiles outermost, and with _MMA_ST_MAGIC_C the magic C words read
+# once from shared memory (ptxas re-created the constant in the C registers before every MMA).
+# ptxas sm_90 at cap 128, main loop per MMA: magic C + cp.async 28.9 instructions, 84 B spills ->
+# 24.0, no spills (magic C off: 31.8, 52 B -> 29.9, none). The same bytes staged, the same products
+# and sums: the same bits.
 _MMA_ST_CPASYNC = False
 
 
@@ -632,6 +641,24 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     A_W = 2 * A_J                            # uint64 words in flight per lane
     B_W = 2 * B_J
     assert 16 * TPW % WARP == 0
+    # cpa == 2 (lean): lane l copies chunks l % LPR, + LPR, ... of staged row l // LPR (tokens
+    # alike, LPT lanes a token), so a lane's chunks of one step are one base plus constants: one
+    # global and one shared index a lane for the weights, the same for the activations
+    lean = cpa == 2
+    LPR = WARP // RPW                        # lanes per staged row
+    L_AJ = (17 + LPR - 1) // LPR             # weight chunks a lane (the last one: lanes < L_ALAST)
+    L_ALAST = 17 - LPR * (L_AJ - 1)
+    LPT = WARP // TPW                        # lanes per staged token
+    L_BJ = 16 // LPT
+    assert not lean or (WARP % RPW == 0 and WARP % TPW == 0 and 16 % LPT == 0)
+    # lean: the activation scales block-major (scale g of token t at g XS_P + t), so a lane's two
+    # tokens' scales are one 8-byte load (XS_P = TOKS + 4: the copies of a warp on distinct banks)
+    XS_P = TOKS + 4
+    AF_N, WD_N = 4 * MT, 2 * MT              # lean: a lane's A fragments and weight scales
+    SM_AL = 16 if lean else None             # lean: the staging aligned for its 16- and 8-byte accesses
+    if lean:
+        SXD_N = 8 * XS_P
+        SXD_T = NBUF * SXD_N
 
     @_inline
     def vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos):
@@ -651,6 +678,36 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         tok = min(tok0 + (tid >> 3), n_tok - 1)
         dpos[0] = uint32(tok * nb + (tid & 7))
         dpos[1] = uint32((tid >> 3) * 9 + (tid & 7))
+
+    @_inline
+    def lean_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos):
+        """vec_bases for the lean copies: element 0 of each array, chunk j of a lane at + j LPR
+        chunks (the same bytes in the same places, only which lane copies which chunk differs)."""
+        m = lane // LPR
+        q = lane % LPR
+        abase[0] = rbase[_ix(warp + 8 * m)] + 2 * q
+        sa_o[0] = uint32((warp + 8 * m) * P32 + 4 * q)
+        m = lane // LPT
+        q = lane % LPT
+        tok = min(tok0 + warp + 8 * m, n_tok - 1)
+        bbase[0] = uint32(tok * (4 * nb) + 2 * q)
+        sb_o[0] = uint32((warp + 8 * m) * P + 2 * q)
+        tok = min(tok0 + (tid >> 3), n_tok - 1)
+        dpos[0] = uint32(tok * nb + (tid & 7))
+        dpos[1] = uint32((tid & 7) * XS_P + (tid >> 3))
+
+    @_inline
+    def issue_lean(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
+        """issue_cpa for the lean chunk assignment (lean_bases)."""
+        ga = abase[0] + int64(34) * int64(st)
+        for j in range(L_AJ):
+            if j < L_AJ - 1 or L_ALAST == LPR or lane % LPR < L_ALAST:
+                cp_async16_at(sa, sa_o[0], buf * SA_N + 4 * LPR * j, a64, ga, uint32(2 * LPR * j))
+        gb = uint32(bbase[0] + uint32(32 * st))
+        for j in range(L_BJ):
+            cp_async16_at(sb, sb_o[0], buf * SB_N + 2 * LPT * j, xq64, gb, uint32(2 * LPT * j))
+        if XD_N == NTH or tid < XD_N:
+            cp_async4_at(sxd, dpos[1], buf * SXD_N, xd, 0, uint32(dpos[0] + uint32(8 * st)))
 
     @_inline
     def load_vec(a64, xq64, xd, st, lane, tid, abase, bbase, dpos, pa, pb, pd):
@@ -792,6 +849,40 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
                 acc[e + 3] = cuda.fma(wd_hi * xs[2 * nt + 1], f3, acc[e + 3])
 
     @_inline
+    def mma_step_lean(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf, mg):
+        """mma_step for the lean staging: the scales block-major (one 8-byte load a token pair),
+        the weight scales as 16-bit loads, token tiles outermost (the 2 MT A fragments stay, one B
+        fragment at a time), the magic C from the 4 registers mg (loaded once: ptxas cannot
+        rematerialise them as 4 moves before each MMA). The same products and sums."""
+        af = cuda.local.array(AF_N, uint32)
+        wd = cuda.local.array(WD_N, float32)
+        for mt in range(MT):
+            r_lo = buf * SA_N + (16 * mt + gid) * P32
+            r_hi = r_lo + 8 * P32
+            af[4 * mt], af[4 * mt + 2] = frag(sa, r_lo + q_word + 2 * tig, sh)
+            af[4 * mt + 1], af[4 * mt + 3] = frag(sa, r_hi + q_word + 2 * tig, sh)
+            wd[2 * mt] = f16_bits_to_f32(ld_half(sa, 2 * (r_lo + d_word) + (d_sh >> 4)))
+            wd[2 * mt + 1] = f16_bits_to_f32(ld_half(sa, 2 * (r_hi + d_word) + (d_sh >> 4)))
+        for nt in range(NT):
+            bx = sb[_ix(buf * SB_N + (8 * nt + gid) * P + 4 * g + tig)]
+            xs0, xs1 = ld_pair(sxd, buf * SXD_N + g * XS_P + 8 * nt + 2 * tig)
+            for mt in range(MT):
+                e = 4 * (mt * NT + nt)
+                a0, a1, a2, a3 = af[4 * mt], af[4 * mt + 1], af[4 * mt + 2], af[4 * mt + 3]
+                wd_lo, wd_hi = wd[2 * mt], wd[2 * mt + 1]
+                if magic_c:
+                    c0, c1, c2, c3 = mma_s8_acc(a0, a1, a2, a3, bx, bx >> uint64(32),
+                                                mg[0], mg[1], mg[2], mg[3])
+                    f0, f1, f2, f3 = _magic_float(c0), _magic_float(c1), _magic_float(c2), _magic_float(c3)
+                else:
+                    c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> uint64(32))
+                    f0, f1, f2, f3 = _exact_float(c0), _exact_float(c1), _exact_float(c2), _exact_float(c3)
+                acc[e] = cuda.fma(wd_lo * xs0, f0, acc[e])
+                acc[e + 1] = cuda.fma(wd_lo * xs1, f1, acc[e + 1])
+                acc[e + 2] = cuda.fma(wd_hi * xs0, f2, acc[e + 2])
+                acc[e + 3] = cuda.fma(wd_hi * xs1, f3, acc[e + 3])
+
+    @_inline
     def end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w):
         """The end of split pass w: the warps meet, warp 0 writes (or adds), the sums restart."""
         meet(acc, comb, warp, lane, 4, 4, 0)       # g + (g + 4)
@@ -809,7 +900,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     @_inline
     def cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase, sb_o, dpos, acc, comb,
                  warp, out, out_ld, row0, tok0, gid, tig, rows, n_tok, g, q_word, sh, d_word, d_sh,
-                 nst, nch, w32, c32, u32, buf):
+                 nst, nch, w32, c32, u32, buf, mg):
         """One step of split pass w32 (chunk c32, step u32 of it) from staging buffer buf (a
         constant), the next step's copies into the other buffer; returns the next (w, c, u)."""
         wn32 = w32
@@ -821,13 +912,19 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             if cn32 >= nch:
                 wn32 = uint32(w32 + 1)
                 cn32 = wn32
-        if wn32 < S:                        # in flight while the MMAs run
+        if wn32 < S and lean:               # in flight while the MMAs run
+            issue_lean(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
+                       bbase, sb_o, dpos, 1 - buf)
+        elif wn32 < S:
             issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
                       bbase, sb_o, dpos, 1 - buf)
         cp_async_commit()                   # (an empty group after the last step)
         cp_async_wait1()                    # this thread's copies of this step have landed
         cuda.syncthreads()                  # and every thread's
-        mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf)
+        if lean:
+            mma_step_lean(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf, mg)
+        else:
+            mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf)
         cuda.syncthreads()                  # buffer buf is read before it is refilled
         if wn32 != w32:
             end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
@@ -839,9 +936,9 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     def q8_0_rows_mma_staged(a64, row_w0, row_w, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld,
                              row_w0_b, rows_a):
         pdl_enter()
-        sa = cuda.shared.array(SA_T, uint32)
-        sb = cuda.shared.array(SB_T, uint64)
-        sxd = cuda.shared.array(SXD_T, float32)
+        sa = cuda.shared.array(SA_T, uint32, alignment=SM_AL)
+        sb = cuda.shared.array(SB_T, uint64, alignment=SM_AL)
+        sxd = cuda.shared.array(SXD_T, float32, alignment=SM_AL)
         rbase = cuda.shared.array(ROWS, int64)
         comb = cuda.shared.array(COMB_N, float32)
         tid = cuda.threadIdx.x
@@ -859,7 +956,15 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         if tid < ROWS:                      # where each staged row starts (uint64 words)
             r = min(row0 + tid, rows - 1)           # a short last tile repeats a row
             rbase[tid] = _pair_row(r, rows_a, row_w0, row_w0_b, row_w)
+        mg = cuda.local.array(4, int32)     # lean: the magic C words, from shared memory once
+        if lean:
+            smg = cuda.shared.array(4, int32)
+            if tid < 4:
+                smg[tid] = int32(_MAGIC)
         cuda.syncthreads()
+        if lean:
+            for i in range(4):
+                mg[i] = smg[i]
         nsteps = nb // 8
         acc = cuda.local.array(NE, float32)
         for e in range(NE):
@@ -874,28 +979,35 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             qa = cuda.local.array(A_W, uint64)
             qb = cuda.local.array(B_W, uint64)
             qd = cuda.local.array(1, float32)
-            vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
+            if lean:
+                lean_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
+            else:
+                vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
             nst = uint32(nsteps)
             nch = uint32(nchunks)
             w32 = uint32(0)
             c32 = uint32(0)
             u32 = uint32(0)
-            if cpa:
+            if lean:
+                issue_lean(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
+                           dpos, 0)
+            elif cpa:
                 issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
                           dpos, 0)
+            if cpa:
                 cp_async_commit()
                 # two steps per trip, one per staging buffer: the buffer offsets are constants
                 while True:
                     w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
                                              sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
                                              tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
-                                             w32, c32, u32, 0)
+                                             w32, c32, u32, 0, mg)
                     if w32 >= S:
                         break
                     w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
                                              sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
                                              tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
-                                             w32, c32, u32, 1)
+                                             w32, c32, u32, 1, mg)
                     if w32 >= S:
                         break
                 return

@@ -43,6 +43,12 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   through no registers; ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
+* ``cp_async16_at(s, si, sk, a, base, off)``, ``cp_async4_at(...)``: cp_async16 / cp_async4 to
+  element si + sk of s, sk added after si's zero extension (a constant sk folds into the copy's
+  shared-address immediate: one register for all the copies of a lane, not one per copy).
+* ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
+* ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
+  element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
   Exact for bytes < 0x80 (IQ2_XXS grid values): (g ^ m) + (m & 0x01010101), m from a
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
@@ -189,6 +195,19 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async4(s, si, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
+
+    def cp_async16_at(s, si, sk, a, base, off):
+        raise NotImplementedError("cp.async: no simulator version")
+
+    def cp_async4_at(s, si, sk, a, base, off):
+        raise NotImplementedError("cp.async: no simulator version")
+
+    def ld_pair(s, i):
+        return s[int(i)], s[int(i) + 1]
+
+    def ld_half(s, i):
+        w = int(s[int(i) >> 1]) & 0xFFFFFFFF
+        return np.uint32((w >> (16 * (int(i) & 1))) & 0xFFFF)
 
     def cp_async_commit():
         return None
@@ -439,6 +458,71 @@ else:
 
     cp_async16 = _cp_async(16, "cg")
     cp_async4 = _cp_async(4, "ca")
+
+    def _cp_async_at(nbytes, kind):
+        def typer(typingctx, s, si, sk, a, base, off):
+            if not (isinstance(s, types.Array) and isinstance(a, types.Array) and a.layout == "C"
+                    and all(isinstance(t, types.Integer) for t in (si, sk, base, off))):
+                return None
+
+            def codegen(context, builder, signature, args):
+                sary = context.make_array(signature.args[0])(context, builder, args[0])
+                gary = context.make_array(signature.args[3])(context, builder, args[3])
+                i64 = ir.IntType(64)
+                si_ = context.cast(builder, args[1], signature.args[1], types.uint32)
+                sk_ = context.cast(builder, args[2], signature.args[2], types.int64)
+                sptr = builder.gep(sary.data, [builder.zext(si_, i64)])
+                esz = context.get_abi_sizeof(context.get_value_type(signature.args[0].dtype))
+                skb = builder.mul(sk_, ir.Constant(i64, esz))
+                b = context.cast(builder, args[4], signature.args[4], types.int64)
+                o = builder.zext(context.cast(builder, args[5], signature.args[5], types.uint32), i64)
+                gptr = builder.gep(builder.gep(gary.data, [b]), [o])
+                fnty = ir.FunctionType(ir.VoidType(), [i64, i64, i64])
+                # sk's bytes as an immediate of the shared address ("n": a constant once the
+                # caller is inlined and unrolled), so LLVM hoists one base, not one per copy
+                asm = ("{ .reg .u64 s, g; .reg .u32 s32; cvta.to.shared.u64 s, $0; cvt.u32.u64 s32, s; "
+                       f"cvta.to.global.u64 g, $1; cp.async.{kind}.shared.global [s32+$2], [g], {nbytes}; }}")
+                builder.call(ir.InlineAsm(fnty, asm, "l,l,n,~{memory}", side_effect=True),
+                             [builder.ptrtoint(sptr, i64), builder.ptrtoint(gptr, i64), skb])
+                return context.get_dummy_value()
+
+            return types.void(s, si, sk, a, base, off), codegen
+        return intrinsic(typer)
+
+    cp_async16_at = _cp_async_at(16, "cg")
+    cp_async4_at = _cp_async_at(4, "ca")
+
+    @intrinsic
+    def ld_pair(typingctx, s, i):
+        if not (isinstance(s, types.Array) and s.dtype.bitwidth == 32 and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            el = context.get_value_type(signature.args[0].dtype)
+            vt = ir.VectorType(el, 2)
+            idx = context.cast(builder, args[1], signature.args[1], types.int64)
+            p = builder.bitcast(builder.gep(ary.data, [idx]), vt.as_pointer(ary.data.type.addrspace))
+            v = builder.load(p, align=8)
+            parts = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(s.dtype, 2)(s, i), codegen
+
+    @intrinsic
+    def ld_half(typingctx, s, i):
+        if not (isinstance(s, types.Array) and s.dtype.bitwidth == 32 and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            i16 = ir.IntType(16)
+            p16 = builder.bitcast(ary.data, i16.as_pointer(ary.data.type.addrspace))
+            idx = context.cast(builder, args[1], signature.args[1], types.int64)
+            v = builder.load(builder.gep(p16, [idx]))
+            return builder.zext(v, ir.IntType(32))
+
+        return types.uint32(s, i), codegen
 
     def _asm_stmt(text):
         def typer(typingctx):

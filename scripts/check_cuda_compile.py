@@ -114,6 +114,13 @@ quant = {
                                                         (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "q8_0_rows_mma_staged (prefill, split-K 4, magic C, cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=True),
                                                                   (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
+ # _MMA_ST_CPASYNC = 2: the lean cp.async staging (cap 128: no spills)
+ "q8_0_rows_mma_staged (prefill, split-K 4, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, cpa=2),
+                                                             (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
+ "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=2),
+                                                                       (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
+ "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async, 64x16)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, MT=4, NT=2, magic_c=True, cpa=2),
+                                                                              (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),
                        f16_rows),
  "f16_rows (prefill, 4 rows per warp)": (lambda: qk._f16_kernel(1, 8, qk._F16_R),

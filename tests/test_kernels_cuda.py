@@ -846,7 +846,7 @@ STAGED_LEAN_CASES = [(32768, 1024, 512, 0), (4096, 8192, 512, 0), (1024, 4096, 5
                      (37, 4096, 37, 0), (2100, 1024, 40, 0), (8200, 256, 33, 0), (300, 8192, 45, 0),
                      (1500, 1280, 70, 0), (600, 2304, 50, 0), (70, 2048, 100, 8), (64, 256, 16, 0)]
 STAGED_LEAN_VARIANTS = [(True, False, False), (False, True, False), (True, True, False),
-                        (False, False, True), (True, False, True)]
+                        (False, False, True), (True, False, True), (False, False, 2), (True, False, 2)]
 
 
 @pytest.mark.parametrize("magic_c,vec,cpa", STAGED_LEAN_VARIANTS,
@@ -894,7 +894,7 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
     X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
     xq, xd, _, _ = _prepare(F.Q8_0, X)
     outs = []
-    for magic_c, vec, cpa in [(False, False, False), (True, True, False), (True, False, True)]:
+    for magic_c, vec, cpa in [(False, False, False), (True, True, False), (True, False, True), (True, False, 2)]:
         monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", magic_c)
         monkeypatch.setattr(K, "_MMA_ST_VEC", vec)
         monkeypatch.setattr(K, "_MMA_ST_CPASYNC", cpa)
