@@ -23,23 +23,10 @@ def main() -> None:
     import numpy as np
     from numba import cuda
 
-    from ds4py.kernels import cuda as CK, cuda_ops as ops
-    from flash_engine import open_flash
+    from flash_engine import knob_configs, knob_defaults, knob_label, open_flash, set_knobs
 
-    def owner(name):                      # (module, attribute) of a knob name
-        return (ops, name[4:]) if name.startswith("ops.") else (CK, name)
-
-    configs = [{}]
-    for text in args.set:
-        config = {}
-        for item in text.split(","):
-            name, value = item.split("=")
-            module, attr = owner(name)
-            if not hasattr(module, attr):
-                raise SystemExit(f"{module.__name__} has no {attr}")
-            config[name] = type(getattr(module, attr))(int(value))
-        configs.append(config)
-    defaults = {name: getattr(*owner(name)) for config in configs for name in config}
+    configs = knob_configs(args.set)
+    defaults = knob_defaults(configs)
     engine, ids = open_flash(args.model, args.prompt + args.gen + 16)
     engine.prefill(ids[:args.prompt])
     first = ids[args.prompt]
@@ -48,10 +35,7 @@ def main() -> None:
     logits = [None] * len(configs)
     for _ in range(args.reps):
         for k, config in enumerate(configs):
-            for name, value in {**defaults, **config}.items():
-                setattr(*owner(name), value)
-            CK._KERNELS.clear()
-            CK._ROWDOTS.clear()
+            set_knobs({**defaults, **config})
             engine._graphs = None                  # recaptured with this configuration's kernels
             engine.restore(saved)
             logits[k] = np.array(engine.decode(first))
@@ -65,11 +49,10 @@ def main() -> None:
             end.record(engine.stream)
             end.synchronize()
             times[k].append(cuda.event_elapsed_time(start, end) / args.gen)
-    for name, value in defaults.items():
-        setattr(*owner(name), value)
+    set_knobs(defaults)
     for k, config in enumerate(configs):
         same = np.array_equal(logits[k], logits[0])
-        label = ",".join(f"{n}={v}" for n, v in config.items()) or "defaults"
+        label = knob_label(config)
         print(f"{label:60s} step ms " + " ".join(f"{t:.3f}" for t in times[k])
               + f"  ({'same logits' if same else 'LOGITS DIFFER'})", flush=True)
 

@@ -2,8 +2,8 @@
 # One device call for the end of a session (carry [".whl", ".data"]): the GPU tests, then the engine
 # bench (BENCH_ARGS), then whatever of these fits before DEADLINE_S seconds (default 540) have
 # passed since the start, in this order: ATTN_BENCH=1 (scripts/bench_attention.py), DECODE_AB
-# (scripts/decode_ab.py, knob sets separated by ';'), PREFILL_AB (scripts/prefill_ab.py, entries
-# KNOB=V1,V2 separated by ';'), KBENCH_PARTS (scripts/bench_kernels.py
+# (scripts/decode_ab.py, knob sets separated by ';'), PREFILL_AB (scripts/prefill_ab.py, the same),
+# KBENCH_PARTS (scripts/bench_kernels.py
 # parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
 # the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk).
 # A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1.
@@ -42,14 +42,11 @@ if [ -n "${DECODE_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated kno
     | grep -v Warn > $OUT/decode_ab.log
   grep -E "step ms" $OUT/decode_ab.log
 fi
-if [ -n "${PREFILL_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated KNOB=V1,V2,... entries
-  IFS=';' read -ra entries <<< "$PREFILL_AB"
-  for e in "${entries[@]}"; do
-    [ "$(left)" -gt 40 ] || break
-    timeout $(budget ${PREFILL_AB_S:-120}) python3 scripts/prefill_ab.py --knob "${e%%=*}" --values "${e#*=}" 2>&1 \
-      | grep -v Warn >> $OUT/prefill_ab.log
-  done
-  grep -vE "^ds4py" $OUT/prefill_ab.log | tail -${PREFILL_AB_LINES:-20}
+if [ -n "${PREFILL_AB:-}" ] && [ "$(left)" -gt 60 ]; then     # ';'-separated knob sets, one process
+  IFS=';' read -ra sets <<< "$PREFILL_AB"
+  timeout $(budget ${PREFILL_AB_S:-240}) python3 scripts/prefill_ab.py $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
+    | grep -v Warn > $OUT/prefill_ab.log
+  grep -E "prefill" $OUT/prefill_ab.log | tail -${PREFILL_AB_LINES:-20}
 fi
 if [ -n "${KBENCH_PARTS:-}" ] && [ "$(left)" -gt 40 ]; then
   timeout $(budget ${KBENCH_S:-120}) python3 scripts/bench_kernels.py --out $OUT/kernel_bench.json \

@@ -1,7 +1,9 @@
-"""What the device scripts share: the flash preset engine, device-resident, and the corpus's tokens.
+"""What the device scripts share: the flash preset engine, device-resident, the corpus's tokens,
+and the kernel knobs the A/B scripts set.
 
     from flash_engine import open_flash          (scripts run as `python3 scripts/NAME.py`)
     engine, ids = open_flash("/tmp/flash.gguf", n_ctx)
+    configs = knob_configs(["_F16_TILED=1", "_MMA_ST_MAGIC_C=1,_MMA_ST_CPASYNC=2"])
 """
 import os
 
@@ -23,3 +25,46 @@ def open_flash(model_path: str, n_ctx: int, corpus_chars: int = 40_000):
     tok = Tokenizer.from_gguf(model.file)
     ids = tok.encode(open(".data/promessi_sposi.txt", encoding="utf-8").read()[:corpus_chars])
     return engine, ids
+
+
+def _knob_owner(name: str):
+    """(module, attribute) of a knob: NAME of ds4py.kernels.cuda, or ops.NAME of kernels.cuda_ops."""
+    from ds4py.kernels import cuda as CK, cuda_ops as ops
+    return (ops, name[4:]) if name.startswith("ops.") else (CK, name)
+
+
+def knob_configs(texts):
+    """[{}, {name: value, ...}, ...]: the defaults, then one configuration per "NAME=INT,..." text
+    (each value converted to the type of the knob's current value, but for a bool knob's values
+    other than 0 and 1; unknown names exit)."""
+    configs = [{}]
+    for text in texts:
+        config = {}
+        for item in text.split(","):
+            name, value = item.split("=")
+            module, attr = _knob_owner(name)
+            if not hasattr(module, attr):
+                raise SystemExit(f"{module.__name__} has no {attr}")
+            current, v = getattr(module, attr), int(value)
+            # a bool knob may have more values than two (_MMA_ST_CPASYNC = 2): those stay ints
+            config[name] = type(current)(v) if not isinstance(current, bool) or v in (0, 1) else v
+        configs.append(config)
+    return configs
+
+
+def knob_defaults(configs):
+    """The current value of every knob the configurations set."""
+    return {name: getattr(*_knob_owner(name)) for config in configs for name in config}
+
+
+def set_knobs(values) -> None:
+    """Set the knobs, and clear kernels/cuda.py's kernel caches (their builders read the knobs)."""
+    from ds4py.kernels import cuda as CK
+    for name, value in values.items():
+        setattr(*_knob_owner(name), value)
+    CK._KERNELS.clear()
+    CK._ROWDOTS.clear()
+
+
+def knob_label(config) -> str:
+    return ",".join(f"{n}={v}" for n, v in config.items()) or "defaults"
