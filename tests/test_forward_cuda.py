@@ -320,6 +320,7 @@ def test_fused_decode_attention_equals_partial_and_combine(model, monkeypatch):
         source.close()
         return out
 
+    monkeypatch.setattr(ops, "ATTN_DECODE_FUSED", True)
     fused = run()
     monkeypatch.setattr(ops, "ATTN_DECODE_FUSED", False)
     plain = run()
