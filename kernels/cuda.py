@@ -3271,6 +3271,330 @@ def _moe_down_tiles_staged_kernel(NH, NSB, max_regs=_DN_ST_REGS):
     return moe_down_tiles_staged
 
 
+# ---- Q2_K down projection, staged, lean (prefill) ---------------------------------------------
+#
+# The staged kernel above with fewer instructions per MMA and the same numbers. Its loop (ptxas
+# sm_90 at cap 128; one trip = 4 super-blocks = 128 IMMAs) is 1,888 instructions, 1,608 of them
+# on a full row block's path (12.56 per IMMA; the rest tests the loads of a short last block), by
+# kind 243 IMAD, 216 LOP3, 165 SHF, 128 PRMT, 120 LDS, 96 FMUL, 96 FADD, 65 VIADD: besides the
+# MMAs, 11 instructions per qs word for its four 2-bit fields (3 SHF, 4 LOP3, 4 IMAD), 16 VIADDs
+# and 4 CS2Rs per super-block for the sums' int -> float, ~17 moves per super-block (the mins'
+# A fragment {min_lo, min_hi, min_lo, min_hi}: one prmt per value, then copies, into up to three
+# tuples), a 64-bit loop counter and a per-step check of the warp's rows (S2R, 64-bit compares).
+# Changes, none in the integer dots or the f32 sequence:
+#
+# * the fields at shifts 4 and 6 as one 32x32 -> high-32 multiply each: with v = the field
+#   masked in place (bytes v_i 4^s, v_i <= 3), umulhi(v, scale << (32 - 2s)) = 2^32 Σ v_i scale
+#   256^i / 2^32 exactly (each product byte <= 45: no carries, low word 0), so the field at 6 is
+#   taken from t = q >> 2 (masked at bits 4, 5: the s = 2 form) and t serves the field at 2 too:
+#   9 instructions per qs word instead of 11 (scale << 28: one more shift per row and scale word);
+# * the sums start at the magic bits (as the Q8_0 kernel's _MMA_ST_MAGIC_C): isum + 0x4B400000 and
+#   summs + 0x4B400000 come out of the tensor core (|sums| < 2^22: the same int32 as the VIADD)
+#   and only the FADD of _exact_float remains (4 moves per super-block set the constant);
+# * each of the mins' four fragment registers from its own prmt (the copies with the operands
+#   swapped: the same bytes), so ptxas writes the tuple directly: no moves;
+# * no per-step row check: a warp whose 16 rows are all past n_embd (the last row block only)
+#   runs its MMAs on stale staging and stores nothing (the final store is masked by row);
+# * a 32-bit step counter.
+#
+# Loop: 1,674 instructions, 1,394 on the full-block path (10.89 per IMMA, -13 %), 128 registers,
+# no spills. (32-bit per-lane qs offsets computed once, or an unsigned scale store index, came out
+# 12 instructions longer: ptxas re-derives the lane constants every step at this cap either way.)
+# scripts/check_down_staged_sim.py --lean checks it in the simulator against the NumPy model.
+
+_DN_ST_LEAN = False   # moe_prefill's staged Q2_K down: the lean kernel (same bits)
+
+
+def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
+    """_moe_down_tiles_staged_kernel (the same launch, arguments and bits) with the lean decode
+    above."""
+    TILE = 8 * NH
+    NTH = _DN_ST_WARPS * WARP
+    ROWS = 16 * _DN_ST_WARPS
+    RBW = 21 * NSB
+    BW = 21
+    ROUND = NTH // BW
+    LOADS = (ROWS + ROUND - 1) // ROUND
+    PW = _DN_ST_WPAD
+    PX = _DN_ST_XPAD
+    XTH = 16
+    NI = 4 * NH
+    NACC = 4 * NI
+    SW_N = ROWS * PW
+    SX_N = TILE * PX
+    SW_2 = 2 * SW_N
+    SX_2 = 2 * SX_N
+    SXD_2 = 2 * TILE
+    MAGIC = int32(_MAGIC)
+    HI4 = np.uint32(0xF0F0F0F0)
+    LOW2_4 = np.uint32(0x30303030)          # the 2-bit fields at bits 4, 5 of each byte
+    assert TILE * XTH <= NTH and PW >= BW and PX >= 64
+
+    @_inline
+    def load_step(a32, mq64, md, sb, full, g_first, nv, last_on, x_first, x_on, d_first, d_on, pw, px, pd):
+        """As the staged kernel's (sb: a 32-bit step)."""
+        g = g_first + BW * sb
+        if full:
+            for m in range(LOADS - 1):
+                pw[m] = a32[_ix(g + m * (ROUND * RBW))]
+            if last_on:
+                pw[LOADS - 1] = a32[_ix(g + (LOADS - 1) * (ROUND * RBW))]
+        else:
+            for m in range(LOADS):
+                if m < nv:
+                    pw[m] = a32[_ix(g + m * (ROUND * RBW))]
+        if x_on:
+            for m in range(2):
+                px[m] = uint64(mq64[_ix(x_first + 32 * sb + 16 * m)])
+        if d_on:
+            pd[0] = md[_ix(d_first + sb)]
+
+    @_inline
+    def store_step(sw, sx, sxd, buf, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px,
+                   pd):
+        """As the staged kernel's."""
+        o = buf * SW_N + s_first
+        if full:
+            if st_on:
+                for m in range(LOADS - 1):
+                    sw[_ix(o + m * (ROUND * PW))] = pw[m]
+                if last_on:
+                    sw[_ix(o + (LOADS - 1) * (ROUND * PW))] = pw[LOADS - 1]
+        else:
+            for m in range(LOADS):
+                if m < nv:
+                    sw[_ix(o + m * (ROUND * PW))] = pw[m]
+        if x_on:
+            for m in range(2):
+                sx[_ix(buf * SX_N + s_x + 32 * m)] = uint32(px[m] & _M32)
+                sx[_ix(buf * SX_N + s_x + 32 * m + 2)] = uint32(px[m] >> uint64(32))
+        if d_on:
+            sxd[buf * TILE + tid] = pd[0]
+
+    @_inline
+    def group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs):
+        """Group kk's two MMAs per column half (the mins' A fragment: the lane's min byte 2 odd
+        of mh in all 4 bytes); the first group starts the sums at the magic bits."""
+        # the fragment's two copies of each min come from two different prmt (the same bytes:
+        # the operands swapped, the selector +4 per byte), so ptxas writes all four registers
+        # of the tuple directly instead of one prmt and a move per copy (a common value it
+        # copied into 2 or 3 tuples)
+        min_lo = libdevice.byte_perm(mh_lo, 0, 0x2222 * odd)
+        min_hi = libdevice.byte_perm(mh_hi, 0, 0x2222 * odd)
+        min_lo2 = libdevice.byte_perm(0, mh_lo, 0x4444 + 0x2222 * odd)
+        min_hi2 = libdevice.byte_perm(0, mh_hi, 0x4444 + 0x2222 * odd)
+        for h in range(NH):
+            if h < halves:                      # block-uniform
+                bx = sx64[_ix(bx0 + h * (4 * PX) + 4 * kk)]
+                b0 = bx & _M32
+                b1 = bx >> uint64(32)
+                e = 4 * h
+                if kk == 0:
+                    isum[e], isum[e + 1], isum[e + 2], isum[e + 3] = mma_s8_acc(
+                        a0, a1, a2, a3, b0, b1, MAGIC, MAGIC, MAGIC, MAGIC)
+                    summs[e], summs[e + 1], summs[e + 2], summs[e + 3] = mma_s8_acc(
+                        min_lo, min_hi, min_lo2, min_hi2, b0, b1, MAGIC, MAGIC, MAGIC, MAGIC)
+                else:
+                    isum[e], isum[e + 1], isum[e + 2], isum[e + 3] = mma_s8_acc(
+                        a0, a1, a2, a3, b0, b1, isum[e], isum[e + 1], isum[e + 2], isum[e + 3])
+                    summs[e], summs[e + 1], summs[e + 2], summs[e + 3] = mma_s8_acc(
+                        min_lo, min_hi, min_lo2, min_hi2, b0, b1,
+                        summs[e], summs[e + 1], summs[e + 2], summs[e + 3])
+
+    @_inline
+    def low_group(sx64, bx0, kk, odd, v_lo_a, v_lo_b, v_hi_a, v_hi_b, sl_lo, sl_hi, mh_lo, mh_hi, halves,
+                  isum, summs):
+        """Group kk (shift 0 or 2: v = q or q >> 2, the field at bits 0, 1 of each byte) from the
+        lane's scale/min bytes 2 odd of sl (scales) and mh (mins)."""
+        scale_lo = uint32(libdevice.byte_perm(sl_lo, 0, 0x4440 + 2 * odd))
+        scale_hi = uint32(libdevice.byte_perm(sl_hi, 0, 0x4440 + 2 * odd))
+        a0 = uint32((v_lo_a & _LOW2) * scale_lo)
+        a1 = uint32((v_hi_a & _LOW2) * scale_hi)
+        a2 = uint32((v_lo_b & _LOW2) * scale_lo)
+        a3 = uint32((v_hi_b & _LOW2) * scale_hi)
+        group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
+
+    @_inline
+    def high_group(sx64, bx0, kk, odd, v_lo_a, v_lo_b, v_hi_a, v_hi_b, s4_lo, s4_hi, mh_lo, mh_hi, halves,
+                   isum, summs):
+        """Group kk (shift 4 or 6: v = q or q >> 2, the field at bits 4, 5 of each byte) by
+        umulhi with scale << 28 (the lane's scale in the high nibble of byte 2 odd of s4, moved
+        to byte 3)."""
+        scale_lo = libdevice.byte_perm(s4_lo, 0, 0x0444 + 0x2000 * odd)
+        scale_hi = libdevice.byte_perm(s4_hi, 0, 0x0444 + 0x2000 * odd)
+        a0 = uint32(libdevice.umulhi(int32(v_lo_a & LOW2_4), scale_lo))
+        a1 = uint32(libdevice.umulhi(int32(v_hi_a & LOW2_4), scale_hi))
+        a2 = uint32(libdevice.umulhi(int32(v_lo_b & LOW2_4), scale_lo))
+        a3 = uint32(libdevice.umulhi(int32(v_hi_b & LOW2_4), scale_hi))
+        group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
+
+    @_inline
+    def half_sums(sw, sx64, bx0, kh, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs):
+        """The staged kernel's half_sums: groups kk = 4 kh + s (s = the 2-bit shift): s = 0
+        (q & 3)·scale, s = 1 (t & 3)·scale with t = q >> 2, s = 2 and 3 umulhi of q and t masked
+        at bits 4, 5 by scale << 28 (see above). The lane's scale/min bytes 2 kk + (tig >> 1)
+        of the scale words moved to bytes 0 (kk even) and 2, as in the staged kernel."""
+        q_lo_a = sw[_ix(w_lo + 4 + 8 * kh + wa)]
+        q_lo_b = sw[_ix(w_lo + 4 + 8 * kh + wb)]
+        q_hi_a = sw[_ix(w_hi + 4 + 8 * kh + wa)]
+        q_hi_b = sw[_ix(w_hi + 4 + 8 * kh + wb)]
+        t_lo_a = q_lo_a >> uint32(2)
+        t_lo_b = q_lo_b >> uint32(2)
+        t_hi_a = q_hi_a >> uint32(2)
+        t_hi_b = q_hi_b >> uint32(2)
+        # scale word 2 kh: groups s = 0 (kk even) and 1
+        sc_lo = sw[_ix(w_lo + 2 * kh)] >> sc_sh
+        sc_hi = sw[_ix(w_hi + 2 * kh)] >> sc_sh
+        sl_lo = int32(sc_lo & _LOW4)
+        sl_hi = int32(sc_hi & _LOW4)
+        mh_lo = int32((sc_lo >> uint32(4)) & _LOW4)
+        mh_hi = int32((sc_hi >> uint32(4)) & _LOW4)
+        low_group(sx64, bx0, 4 * kh, 0, q_lo_a, q_lo_b, q_hi_a, q_hi_b, sl_lo, sl_hi, mh_lo, mh_hi, halves,
+                  isum, summs)
+        low_group(sx64, bx0, 4 * kh + 1, 1, t_lo_a, t_lo_b, t_hi_a, t_hi_b, sl_lo, sl_hi, mh_lo, mh_hi,
+                  halves, isum, summs)
+        # scale word 2 kh + 1: groups s = 2 and 3, the scale nibbles moved to the high nibbles
+        sc_lo = sw[_ix(w_lo + 2 * kh + 1)] >> sc_sh
+        sc_hi = sw[_ix(w_hi + 2 * kh + 1)] >> sc_sh
+        s4_lo = int32((sc_lo << uint32(4)) & HI4)
+        s4_hi = int32((sc_hi << uint32(4)) & HI4)
+        mh_lo = int32((sc_lo >> uint32(4)) & _LOW4)
+        mh_hi = int32((sc_hi >> uint32(4)) & _LOW4)
+        high_group(sx64, bx0, 4 * kh + 2, 0, q_lo_a, q_lo_b, q_hi_a, q_hi_b, s4_lo, s4_hi, mh_lo, mh_hi,
+                   halves, isum, summs)
+        high_group(sx64, bx0, 4 * kh + 3, 1, t_lo_a, t_lo_b, t_hi_a, t_hi_b, s4_lo, s4_hi, mh_lo, mh_hi,
+                   halves, isum, summs)
+
+    @_inline
+    def super_block(sw, sx64, sxd, buf, bank, w_lo, gid, tig, halves, isum, summs, acc):
+        """The staged kernel's super_block; the sums come with the magic bits (_magic_float)."""
+        w_lo = w_lo + buf * SW_N
+        w_hi = w_lo + 8 * PW
+        wa = tig + 4 * (tig >> 1)
+        wb = wa ^ 2
+        sc_sh = uint32(8 * (tig >> 1))
+        bx0 = (buf * SX_N + gid * PX) // 2 + tig
+        half_sums(sw, sx64, bx0, 0, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs)
+        half_sums(sw, sx64, bx0, 1, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs)
+        dd_lo = sw[_ix(w_lo + 20)]
+        dd_hi = sw[_ix(w_hi + 20)]
+        d_lo = f16_bits_to_f32(dd_lo & _M16)
+        dmin_lo = f16_bits_to_f32(dd_lo >> uint32(16))
+        d_hi = f16_bits_to_f32(dd_hi & _M16)
+        dmin_hi = f16_bits_to_f32(dd_hi >> uint32(16))
+        for h in range(NH):
+            if h < halves:
+                xd0 = sxd[_ix(buf * TILE + 8 * h + 2 * tig)]
+                xd1 = sxd[_ix(buf * TILE + 8 * h + 2 * tig + 1)]
+                for k in range(4):
+                    d = d_lo if k < 2 else d_hi
+                    dmin = dmin_lo if k < 2 else dmin_hi
+                    xdv = xd0 if k % 2 == 0 else xd1
+                    term = cuda.fma(xdv * d, _magic_float(isum[4 * h + k]),
+                                    -((xdv * dmin) * _magic_float(summs[4 * h + k])))
+                    e = NI * bank + 4 * h + k
+                    acc[e] = acc[e] + term
+
+    @_inline
+    def step(a32, mq64, md, sw, sx, sx64, sxd, sb, bank, buf, full, g_first, nv, last_on, st_on,
+             s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px,
+             pd, isum, summs, acc):
+        """The staged kernel's step without the row check (sb: a 32-bit step)."""
+        more = sb + 1 < NSB
+        if more:
+            load_step(a32, mq64, md, sb + 1, full, g_first, nv, last_on, x_first, x_on, d_first, d_on,
+                      pw, px, pd)
+        super_block(sw, sx64, sxd, buf, bank, w_lo, gid, tig, halves, isum, summs, acc)
+        if more:
+            store_step(sw, sx, sxd, 1 - buf, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid,
+                       pw, px, pd)
+        cuda.syncthreads()
+
+    jit = _jit_capped(max_regs)
+
+    @jit
+    def moe_down_tiles_lean(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq64, md, n_embd,
+                            pair_out):
+        pdl_enter()
+        sw = cuda.shared.array(SW_2, uint32)
+        sx = cuda.shared.array(SX_2, uint32)
+        sxd = cuda.shared.array(SXD_2, float32)
+        spair = cuda.shared.array(TILE, int64)
+        tile = cuda.blockIdx.y
+        cnt = tile_cnt[tile]
+        if cnt <= 0:
+            return
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        if tid < TILE:
+            col = tile * TILE + min(tid, cnt - 1)
+            spair[tid] = tile_tok[col] * n_used + tile_slot[col]
+        halves = (cnt + 7) >> 3
+        row0 = cuda.blockIdx.x * ROWS
+        w_row = tid // BW
+        w_word = tid - BW * w_row
+        rows_in = min(ROWS, n_embd - row0)
+        full = rows_in == ROWS
+        st_on = tid < ROUND * BW
+        nv = min(LOADS, max(0, (rows_in - w_row + ROUND - 1) // ROUND)) if st_on else 0
+        last_on = st_on and w_row + ROUND * (LOADS - 1) < rows_in
+        g_first = (tile_off[tile * 3 + 2] >> 2) + (row0 + w_row) * RBW + w_word
+        s_first = w_row * PW + w_word
+        x_pair = tid >> 4
+        x_word = tid & 15
+        jj = x_word & 3
+        s_x = x_pair * PX + 8 * (x_word >> 2) + 4 * (jj >> 1) + ((jj ^ (jj >> 1)) & 1)
+        x_on = x_pair < 8 * halves
+        d_on = tid < 8 * halves
+        cuda.syncthreads()
+        x_first = spair[min(x_pair, TILE - 1)] * (32 * NSB) + x_word
+        d_first = spair[min(tid, TILE - 1)] * NSB
+        w_lo = (16 * warp + gid) * PW
+        sx64 = sx.view(np.uint64)
+        pw = cuda.local.array(LOADS, uint32)
+        px = cuda.local.array(2, uint64)
+        pd = cuda.local.array(1, float32)
+        isum = cuda.local.array(NI, int32)
+        summs = cuda.local.array(NI, int32)
+        acc = cuda.local.array(NACC, float32)
+        for e in range(NACC):
+            acc[e] = float32(0.0)
+        load_step(a32, mq64, md, int32(0), full, g_first, nv, last_on, x_first, x_on, d_first, d_on, pw,
+                  px, pd)
+        store_step(sw, sx, sxd, 0, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px, pd)
+        cuda.syncthreads()
+        sb = int32(0)
+        while sb < NSB:
+            step(a32, mq64, md, sw, sx, sx64, sxd, sb, 0, 0, full, g_first, nv, last_on, st_on, s_first,
+                 x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd,
+                 isum, summs, acc)
+            if sb + 1 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 1), 1, 1, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 2 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 2), 2, 0, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 3 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 3), 3, 1, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            sb = int32(sb + 4)
+        for h in range(NH):
+            for k in range(4):
+                row = row0 + 16 * warp + gid + 8 * (k >> 1)
+                col = 8 * h + 2 * tig + (k & 1)
+                if row < n_embd and col < cnt:
+                    e = 4 * h + k
+                    pair_out[_ix(spair[col] * n_embd + row)] = (acc[e] + acc[2 * NI + e]) + (acc[NI + e] + acc[3 * NI + e])
+
+    return moe_down_tiles_lean
+
+
 @_inline
 def _q2_times(a32, w, qword, shift, scale):
     """Four Q2_K weights (qs word `qword` of the block at word w, bits `shift`) times their
@@ -3629,9 +3953,15 @@ def _tile_launch(kernel, rows, tiles, mma, s, shmem=0):
 
 def _launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, s, staged):
     """moe_prefill's Q2_K down projection on the tensor cores for tiles of 8·_MMA_HALVES_DN pairs
-    (group_tiles): the staged kernel (any shape) or the direct one; the same bits either way."""
+    (group_tiles): the staged kernel (any shape; its lean copy with _DN_ST_LEAN) or the direct
+    one; the same bits either way."""
     NH, nsb = _MMA_HALVES_DN, n_ff // 256
-    if staged:
+    if staged and _DN_ST_LEAN:
+        dn = _cached(("moe_down_tiles_lean", NH, nsb), lambda: _moe_down_tiles_lean_kernel(NH, nsb))
+        rows = 16 * _DN_ST_WARPS
+        dn[((n_embd + rows - 1) // rows, tiles[3].size), _DN_ST_WARPS * WARP, s](
+            a32, *tiles, n_used, _as_i64(mq), md, n_embd, pair_out)
+    elif staged:
         dn = _cached(("moe_down_tiles_staged", NH, nsb), lambda: _moe_down_tiles_staged_kernel(NH, nsb))
         rows = 16 * _DN_ST_WARPS
         dn[((n_embd + rows - 1) // rows, tiles[3].size), _DN_ST_WARPS * WARP, s](

@@ -952,3 +952,72 @@ def test_moe_prefill_lean_tokens_equal_decode(experts, grouping, monkeypatch):
     for t in range(n_tok):
         y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
         assert np.array_equal(Y[t], y), f"token {t}"
+
+
+# ---- the lean staged Q2_K down kernel (_DN_ST_LEAN) -------------------------------------------
+
+@pytest.mark.parametrize("n_ff,n_embd,n_tok", [(2048, 4096, 29), (2048, 4096, 3), (256, 392, 13),
+                                               (768, 200, 13), (1280, 136, 13), (1792, 264, 21)])
+def test_moe_down_lean_equals_staged(n_ff, n_embd, n_tok, monkeypatch):
+    """The lean Q2_K down kernel against the staged kernel it replaces, bit for bit (uint32 views
+    of pair_out): the flash shape (2048 -> 4096: 8 super-blocks, two trips of the loop) with tiles
+    of 1 to 16 pairs and with tiles of <= 3 pairs only (one MMA column half), and the odd shapes of
+    test_moe_down_tiles_staged_equals_decode (1, 3, 5 and 7 super-blocks, short last row blocks,
+    warps whose rows are all past n_embd, an expert at an offset of 4 mod 8); then every pair
+    against moe_down of its slot alone."""
+    rng = _rng(29)
+    n_exp, n_used = 3, 2
+    nsb = n_ff // 256
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, offs = _arena([down[0], (down[1], 4), down[2]])
+    assert offs[1] % 8 == 4
+    table = np.array([[0, 0, o] for o in offs], np.int64)
+    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 1
+    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
+    n_pairs = n_tok * n_used
+    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_pairs * n_ff)))
+    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    counts = tiles[3].copy_to_host()
+    assert (counts.max() > 8) == (n_tok > 8)             # both column halves, or only the first
+    a32 = K._arena_views(arena)[1]
+    results = {}
+    for lean in (False, True):
+        monkeypatch.setattr(K, "_DN_ST_LEAN", lean)
+        pair_out = cuda.to_device(np.full(n_pairs * n_embd, np.nan, np.float32))
+        K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, True)
+        results[lean] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
+    assert np.array_equal(results[False].view(np.uint32), results[True].view(np.uint32))
+    out = cuda.device_array(n_embd, np.float32)
+    for p in range(n_pairs):
+        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
+        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
+                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
+        assert np.array_equal(results[True][p], out.copy_to_host()), f"pair {p}"
+
+
+@pytest.mark.parametrize("gu_lean", [False, True])
+@pytest.mark.parametrize("grouping", ["host", "device"])
+def test_moe_prefill_down_lean_tokens_equal_decode(experts, grouping, gu_lean, monkeypatch):
+    """moe_prefill with the lean down kernel (after the staged or the lean gate/up) equals
+    moe_decode per token, bit for bit, on the flash shape."""
+    monkeypatch.setattr(K, "_MMA_STAGED_GU", True)
+    monkeypatch.setattr(K, "_MMA_STAGED_DN", True)
+    monkeypatch.setattr(K, "_GU_ST_LEAN", gu_lean)
+    monkeypatch.setattr(K, "_DN_ST_LEAN", True)
+    rng = _rng(31)
+    n_tok = 19
+    X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.choice(N_EXP, N_USED, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 3
+    rw = rng.uniform(0.05, 0.6, (n_tok, N_USED)).astype(np.float32)
+    out = cuda.device_array((n_tok, N_EMBD), np.float32)
+    on_device = grouping == "device"
+    K.moe_prefill(experts["arena"], cuda.to_device(experts["table"]) if on_device else experts["table"],
+                  F.IQ2_XXS, F.Q2_K, N_EMBD, N_FF, cuda.to_device(X), cuda.to_device(ids) if on_device else ids,
+                  cuda.to_device(rw), 10.0, out, mma=True)
+    Y = out.copy_to_host()
+    ws = K.MoEWorkspace(N_USED, N_EMBD, N_FF)
+    for t in range(n_tok):
+        y, _ = _moe_decode_gpu(experts, X[t], ids[t], rw[t], 10.0, ws)
+        assert np.array_equal(Y[t], y), f"token {t}"
