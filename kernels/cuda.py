@@ -3295,11 +3295,15 @@ def _moe_down_tiles_staged_kernel(NH, NSB, max_regs=_DN_ST_REGS):
 #   swapped: the same bytes), so ptxas writes the tuple directly: no moves;
 # * no per-step row check: a warp whose 16 rows are all past n_embd (the last row block only)
 #   runs its MMAs on stale staging and stores nothing (the final store is masked by row);
-# * a 32-bit step counter.
+# * a 32-bit step counter;
+# * two copies of the loop, for full row blocks and for the short last one (full a constant in
+#   each): no per-step branches between the two staging paths (BSSY/BSYNC, BRA, predicate moves).
 #
-# Loop: 1,674 instructions, 1,394 on the full-block path (10.89 per IMMA, -13 %), 128 registers,
-# no spills. (32-bit per-lane qs offsets computed once, or an unsigned scale store index, came out
-# 12 instructions longer: ptxas re-derives the lane constants every step at this cap either way.)
+# Full-block loop: 1,290 instructions (10.08 per IMMA, -20 %), 126 registers, no spills (the
+# short-block copy: 1,457). Kinds: 192 PRMT, 192 LOP3, 153 IMAD (64 of them IMAD.HI), 120 LDS,
+# 96 SHF, 96 FMUL, 96 FADD, 64 STS, 56 LDG, 32 FFMA, 16 HADD2, 15 BRA. (32-bit per-lane qs offsets
+# computed once, or an unsigned scale store index, came out 12 instructions longer: ptxas
+# re-derives the lane constants every step at this cap either way.)
 # scripts/check_down_staged_sim.py --lean checks it in the simulator against the NumPy model.
 
 _DN_ST_LEAN = False   # moe_prefill's staged Q2_K down: the lean kernel (same bits)
@@ -3510,6 +3514,34 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
                        pw, px, pd)
         cuda.syncthreads()
 
+    @_inline
+    def run_steps(a32, mq64, md, sw, sx, sx64, sxd, full, g_first, nv, last_on, st_on, s_first, x_first,
+                  x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd, isum, summs, acc):
+        """Every step; full is a constant at both calls (two copies of the loop, each with only
+        its own staging path: no per-step branches on it)."""
+        load_step(a32, mq64, md, int32(0), full, g_first, nv, last_on, x_first, x_on, d_first, d_on, pw,
+                  px, pd)
+        store_step(sw, sx, sxd, 0, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px, pd)
+        cuda.syncthreads()
+        sb = int32(0)
+        while sb < NSB:
+            step(a32, mq64, md, sw, sx, sx64, sxd, sb, 0, 0, full, g_first, nv, last_on, st_on, s_first,
+                 x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd,
+                 isum, summs, acc)
+            if sb + 1 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 1), 1, 1, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 2 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 2), 2, 0, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            if sb + 3 < NSB:
+                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 3), 3, 1, full, g_first, nv, last_on,
+                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
+                     pw, px, pd, isum, summs, acc)
+            sb = int32(sb + 4)
+
     jit = _jit_capped(max_regs)
 
     @jit
@@ -3562,28 +3594,12 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
         acc = cuda.local.array(NACC, float32)
         for e in range(NACC):
             acc[e] = float32(0.0)
-        load_step(a32, mq64, md, int32(0), full, g_first, nv, last_on, x_first, x_on, d_first, d_on, pw,
-                  px, pd)
-        store_step(sw, sx, sxd, 0, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px, pd)
-        cuda.syncthreads()
-        sb = int32(0)
-        while sb < NSB:
-            step(a32, mq64, md, sw, sx, sx64, sxd, sb, 0, 0, full, g_first, nv, last_on, st_on, s_first,
-                 x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd,
-                 isum, summs, acc)
-            if sb + 1 < NSB:
-                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 1), 1, 1, full, g_first, nv, last_on,
-                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
-                     pw, px, pd, isum, summs, acc)
-            if sb + 2 < NSB:
-                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 2), 2, 0, full, g_first, nv, last_on,
-                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
-                     pw, px, pd, isum, summs, acc)
-            if sb + 3 < NSB:
-                step(a32, mq64, md, sw, sx, sx64, sxd, int32(sb + 3), 3, 1, full, g_first, nv, last_on,
-                     st_on, s_first, x_first, x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves,
-                     pw, px, pd, isum, summs, acc)
-            sb = int32(sb + 4)
+        if full:                                         # block-uniform
+            run_steps(a32, mq64, md, sw, sx, sx64, sxd, True, g_first, nv, last_on, st_on, s_first, x_first,
+                      x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd, isum, summs, acc)
+        else:
+            run_steps(a32, mq64, md, sw, sx, sx64, sxd, False, g_first, nv, last_on, st_on, s_first, x_first,
+                      x_on, s_x, d_first, d_on, tid, w_lo, gid, tig, halves, pw, px, pd, isum, summs, acc)
         for h in range(NH):
             for k in range(4):
                 row = row0 + 16 * warp + gid + 8 * (k >> 1)
