@@ -3297,11 +3297,17 @@ def _moe_down_tiles_staged_kernel(NH, NSB, max_regs=_DN_ST_REGS):
 #   runs its MMAs on stale staging and stores nothing (the final store is masked by row);
 # * a 32-bit step counter;
 # * two copies of the loop, for full row blocks and for the short last one (full a constant in
-#   each): no per-step branches between the two staging paths (BSSY/BSYNC, BRA, predicate moves).
+#   each): no per-step branches between the two staging paths (BSSY/BSYNC, BRA, predicate moves);
+# * another k order (half_sums): in MMA group g (of 8 per super-block) lane tig takes sub-block
+#   g + 8 (tig >> 1) instead of 2 g + (tig >> 1), so its scale/min byte sits at a constant byte
+#   of one of two scale words: a lane unpacks 2 scale words per row and super-block (no shift)
+#   instead of 4 words each shifted by 8 (tig >> 1); the activations are staged in the matching
+#   order (thread t loads 8-byte words e, e + 4 instead of e, e + 16). Still conflict-free: the
+#   4 lanes of a row read qs words 8 (tig >> 1) + 4 h2 + tig (^ 2), distinct mod 4.
 #
-# Full-block loop: 1,290 instructions (10.08 per IMMA, -20 %), 126 registers, no spills (the
-# short-block copy: 1,457). Kinds: 192 PRMT, 192 LOP3, 153 IMAD (64 of them IMAD.HI), 120 LDS,
-# 96 SHF, 96 FMUL, 96 FADD, 64 STS, 56 LDG, 32 FFMA, 16 HADD2, 15 BRA. (32-bit per-lane qs offsets
+# Full-block loop: 1,202 instructions (9.39 per IMMA, -25 %), 126 registers, no spills (the
+# short-block copy: 1,375). Kinds: 192 PRMT, 160 LOP3, 145 IMAD (64 of them IMAD.HI), 120 LDS,
+# 96 FMUL, 96 FADD, 64 STS, 56 LDG, 48 SHF, 32 FFMA, 16 HADD2, 15 BRA. (32-bit per-lane qs offsets
 # computed once, or an unsigned scale store index, came out 12 instructions longer: ptxas
 # re-derives the lane constants every step at this cap either way.)
 # scripts/check_down_staged_sim.py --lean checks it in the simulator against the NumPy model.
@@ -3311,7 +3317,7 @@ _DN_ST_LEAN = False   # moe_prefill's staged Q2_K down: the lean kernel (same bi
 
 def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
     """_moe_down_tiles_staged_kernel (the same launch, arguments and bits) with the lean decode
-    above."""
+    and k order above."""
     TILE = 8 * NH
     NTH = _DN_ST_WARPS * WARP
     ROWS = 16 * _DN_ST_WARPS
@@ -3336,7 +3342,8 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
 
     @_inline
     def load_step(a32, mq64, md, sb, full, g_first, nv, last_on, x_first, x_on, d_first, d_on, pw, px, pd):
-        """As the staged kernel's (sb: a 32-bit step)."""
+        """As the staged kernel's (sb: a 32-bit step) but for the activation words: thread t
+        takes 8-byte words e and e + 4 of pair t // 16, e = (t & 3) + 8 ((t & 15) >> 2)."""
         g = g_first + BW * sb
         if full:
             for m in range(LOADS - 1):
@@ -3349,14 +3356,14 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
                     pw[m] = a32[_ix(g + m * (ROUND * RBW))]
         if x_on:
             for m in range(2):
-                px[m] = uint64(mq64[_ix(x_first + 32 * sb + 16 * m)])
+                px[m] = uint64(mq64[_ix(x_first + 32 * sb + 4 * m)])
         if d_on:
             pd[0] = md[_ix(d_first + sb)]
 
     @_inline
     def store_step(sw, sx, sxd, buf, full, s_first, nv, last_on, st_on, s_x, x_on, d_on, tid, pw, px,
                    pd):
-        """As the staged kernel's."""
+        """As the staged kernel's but for the activations' k order (s_x: see the kernel)."""
         o = buf * SW_N + s_first
         if full:
             if st_on:
@@ -3370,30 +3377,30 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
                     sw[_ix(o + m * (ROUND * PW))] = pw[m]
         if x_on:
             for m in range(2):
-                sx[_ix(buf * SX_N + s_x + 32 * m)] = uint32(px[m] & _M32)
-                sx[_ix(buf * SX_N + s_x + 32 * m + 2)] = uint32(px[m] >> uint64(32))
+                sx[_ix(buf * SX_N + s_x + 16 * m)] = uint32(px[m] & _M32)
+                sx[_ix(buf * SX_N + s_x + 16 * m + 2)] = uint32(px[m] >> uint64(32))
         if d_on:
             sxd[buf * TILE + tid] = pd[0]
 
     @_inline
-    def group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs):
-        """Group kk's two MMAs per column half (the mins' A fragment: the lane's min byte 2 odd
-        of mh in all 4 bytes); the first group starts the sums at the magic bits."""
+    def group_sums(sx64, bx0, g, byte, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs):
+        """Group g's two MMAs per column half (the mins' A fragment: the lane's min, byte `byte`
+        of mh, in all 4 bytes); group 0 starts the sums at the magic bits."""
         # the fragment's two copies of each min come from two different prmt (the same bytes:
         # the operands swapped, the selector +4 per byte), so ptxas writes all four registers
         # of the tuple directly instead of one prmt and a move per copy (a common value it
         # copied into 2 or 3 tuples)
-        min_lo = libdevice.byte_perm(mh_lo, 0, 0x2222 * odd)
-        min_hi = libdevice.byte_perm(mh_hi, 0, 0x2222 * odd)
-        min_lo2 = libdevice.byte_perm(0, mh_lo, 0x4444 + 0x2222 * odd)
-        min_hi2 = libdevice.byte_perm(0, mh_hi, 0x4444 + 0x2222 * odd)
+        min_lo = libdevice.byte_perm(mh_lo, 0, 0x1111 * byte)
+        min_hi = libdevice.byte_perm(mh_hi, 0, 0x1111 * byte)
+        min_lo2 = libdevice.byte_perm(0, mh_lo, 0x4444 + 0x1111 * byte)
+        min_hi2 = libdevice.byte_perm(0, mh_hi, 0x4444 + 0x1111 * byte)
         for h in range(NH):
             if h < halves:                      # block-uniform
-                bx = sx64[_ix(bx0 + h * (4 * PX) + 4 * kk)]
+                bx = sx64[_ix(bx0 + h * (4 * PX) + 4 * g)]
                 b0 = bx & _M32
                 b1 = bx >> uint64(32)
                 e = 4 * h
-                if kk == 0:
+                if g == 0:
                     isum[e], isum[e + 1], isum[e + 2], isum[e + 3] = mma_s8_acc(
                         a0, a1, a2, a3, b0, b1, MAGIC, MAGIC, MAGIC, MAGIC)
                     summs[e], summs[e + 1], summs[e + 2], summs[e + 3] = mma_s8_acc(
@@ -3406,67 +3413,57 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
                         summs[e], summs[e + 1], summs[e + 2], summs[e + 3])
 
     @_inline
-    def low_group(sx64, bx0, kk, odd, v_lo_a, v_lo_b, v_hi_a, v_hi_b, sl_lo, sl_hi, mh_lo, mh_hi, halves,
+    def low_group(sx64, bx0, g, byte, v_lo_a, v_lo_b, v_hi_a, v_hi_b, sl_lo, sl_hi, mh_lo, mh_hi, halves,
                   isum, summs):
-        """Group kk (shift 0 or 2: v = q or q >> 2, the field at bits 0, 1 of each byte) from the
-        lane's scale/min bytes 2 odd of sl (scales) and mh (mins)."""
-        scale_lo = uint32(libdevice.byte_perm(sl_lo, 0, 0x4440 + 2 * odd))
-        scale_hi = uint32(libdevice.byte_perm(sl_hi, 0, 0x4440 + 2 * odd))
+        """Group g at shift 0 or 2 (v = q or q >> 2, the field at bits 0, 1 of each byte) by the
+        lane's scale, byte `byte` of sl (the min: of mh)."""
+        scale_lo = uint32(libdevice.byte_perm(sl_lo, 0, 0x4440 + byte))
+        scale_hi = uint32(libdevice.byte_perm(sl_hi, 0, 0x4440 + byte))
         a0 = uint32((v_lo_a & _LOW2) * scale_lo)
         a1 = uint32((v_hi_a & _LOW2) * scale_hi)
         a2 = uint32((v_lo_b & _LOW2) * scale_lo)
         a3 = uint32((v_hi_b & _LOW2) * scale_hi)
-        group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
+        group_sums(sx64, bx0, g, byte, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
 
     @_inline
-    def high_group(sx64, bx0, kk, odd, v_lo_a, v_lo_b, v_hi_a, v_hi_b, s4_lo, s4_hi, mh_lo, mh_hi, halves,
+    def high_group(sx64, bx0, g, byte, v_lo_a, v_lo_b, v_hi_a, v_hi_b, s4_lo, s4_hi, mh_lo, mh_hi, halves,
                    isum, summs):
-        """Group kk (shift 4 or 6: v = q or q >> 2, the field at bits 4, 5 of each byte) by
-        umulhi with scale << 28 (the lane's scale in the high nibble of byte 2 odd of s4, moved
-        to byte 3)."""
-        scale_lo = libdevice.byte_perm(s4_lo, 0, 0x0444 + 0x2000 * odd)
-        scale_hi = libdevice.byte_perm(s4_hi, 0, 0x0444 + 0x2000 * odd)
+        """Group g at shift 4 or 6 (v = q or q >> 2, the field at bits 4, 5 of each byte) by
+        umulhi with scale << 28 (the lane's scale in the high nibble of byte `byte` of s4,
+        moved to byte 3)."""
+        scale_lo = libdevice.byte_perm(s4_lo, 0, 0x0444 + (byte << 12))
+        scale_hi = libdevice.byte_perm(s4_hi, 0, 0x0444 + (byte << 12))
         a0 = uint32(libdevice.umulhi(int32(v_lo_a & LOW2_4), scale_lo))
         a1 = uint32(libdevice.umulhi(int32(v_hi_a & LOW2_4), scale_hi))
         a2 = uint32(libdevice.umulhi(int32(v_lo_b & LOW2_4), scale_lo))
         a3 = uint32(libdevice.umulhi(int32(v_hi_b & LOW2_4), scale_hi))
-        group_sums(sx64, bx0, kk, odd, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
+        group_sums(sx64, bx0, g, byte, a0, a1, a2, a3, mh_lo, mh_hi, halves, isum, summs)
 
     @_inline
-    def half_sums(sw, sx64, bx0, kh, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs):
-        """The staged kernel's half_sums: groups kk = 4 kh + s (s = the 2-bit shift): s = 0
-        (q & 3)·scale, s = 1 (t & 3)·scale with t = q >> 2, s = 2 and 3 umulhi of q and t masked
-        at bits 4, 5 by scale << 28 (see above). The lane's scale/min bytes 2 kk + (tig >> 1)
-        of the scale words moved to bytes 0 (kk even) and 2, as in the staged kernel."""
-        q_lo_a = sw[_ix(w_lo + 4 + 8 * kh + wa)]
-        q_lo_b = sw[_ix(w_lo + 4 + 8 * kh + wb)]
-        q_hi_a = sw[_ix(w_hi + 4 + 8 * kh + wa)]
-        q_hi_b = sw[_ix(w_hi + 4 + 8 * kh + wb)]
+    def half_sums(sw, sx64, bx0, h2, qa, qb, sl_lo, sl_hi, mh0_lo, mh0_hi, s4_lo, s4_hi, mh1_lo, mh1_hi,
+                  halves, isum, summs):
+        """The groups g = 2 s + h2 (s = the 2-bit shift 0 .. 3) of the lean k order: in group g,
+        lane tig takes sub-block g + 8 (tig >> 1), i.e. qs chunk tig >> 1 (its first 128
+        weights or its last), words 4 h2 + tig and 4 h2 + (tig ^ 2) at shift s (qa, qb: those
+        word offsets for h2 = 0, row gid), so its scale/min byte is byte 2 (s & 1) + h2 of scale
+        word 2 (tig >> 1) + (s >> 1): a constant byte (the staged kernel's k order needs a
+        lane-dependent shift of every scale word). Fields: s = 0 (q & 3)·scale, 1 (t & 3)·scale
+        with t = q >> 2, 2 and 3 umulhi of q and t masked at bits 4, 5 by scale << 28."""
+        q_lo_a = sw[_ix(qa + 4 * h2)]
+        q_lo_b = sw[_ix(qb + 4 * h2)]
+        q_hi_a = sw[_ix(qa + 4 * h2 + 8 * PW)]
+        q_hi_b = sw[_ix(qb + 4 * h2 + 8 * PW)]
         t_lo_a = q_lo_a >> uint32(2)
         t_lo_b = q_lo_b >> uint32(2)
         t_hi_a = q_hi_a >> uint32(2)
         t_hi_b = q_hi_b >> uint32(2)
-        # scale word 2 kh: groups s = 0 (kk even) and 1
-        sc_lo = sw[_ix(w_lo + 2 * kh)] >> sc_sh
-        sc_hi = sw[_ix(w_hi + 2 * kh)] >> sc_sh
-        sl_lo = int32(sc_lo & _LOW4)
-        sl_hi = int32(sc_hi & _LOW4)
-        mh_lo = int32((sc_lo >> uint32(4)) & _LOW4)
-        mh_hi = int32((sc_hi >> uint32(4)) & _LOW4)
-        low_group(sx64, bx0, 4 * kh, 0, q_lo_a, q_lo_b, q_hi_a, q_hi_b, sl_lo, sl_hi, mh_lo, mh_hi, halves,
+        low_group(sx64, bx0, h2, h2, q_lo_a, q_lo_b, q_hi_a, q_hi_b, sl_lo, sl_hi, mh0_lo, mh0_hi, halves,
                   isum, summs)
-        low_group(sx64, bx0, 4 * kh + 1, 1, t_lo_a, t_lo_b, t_hi_a, t_hi_b, sl_lo, sl_hi, mh_lo, mh_hi,
+        low_group(sx64, bx0, 2 + h2, 2 + h2, t_lo_a, t_lo_b, t_hi_a, t_hi_b, sl_lo, sl_hi, mh0_lo, mh0_hi,
                   halves, isum, summs)
-        # scale word 2 kh + 1: groups s = 2 and 3, the scale nibbles moved to the high nibbles
-        sc_lo = sw[_ix(w_lo + 2 * kh + 1)] >> sc_sh
-        sc_hi = sw[_ix(w_hi + 2 * kh + 1)] >> sc_sh
-        s4_lo = int32((sc_lo << uint32(4)) & HI4)
-        s4_hi = int32((sc_hi << uint32(4)) & HI4)
-        mh_lo = int32((sc_lo >> uint32(4)) & _LOW4)
-        mh_hi = int32((sc_hi >> uint32(4)) & _LOW4)
-        high_group(sx64, bx0, 4 * kh + 2, 0, q_lo_a, q_lo_b, q_hi_a, q_hi_b, s4_lo, s4_hi, mh_lo, mh_hi,
+        high_group(sx64, bx0, 4 + h2, h2, q_lo_a, q_lo_b, q_hi_a, q_hi_b, s4_lo, s4_hi, mh1_lo, mh1_hi,
                    halves, isum, summs)
-        high_group(sx64, bx0, 4 * kh + 3, 1, t_lo_a, t_lo_b, t_hi_a, t_hi_b, s4_lo, s4_hi, mh_lo, mh_hi,
+        high_group(sx64, bx0, 6 + h2, 2 + h2, t_lo_a, t_lo_b, t_hi_a, t_hi_b, s4_lo, s4_hi, mh1_lo, mh1_hi,
                    halves, isum, summs)
 
     @_inline
@@ -3474,12 +3471,28 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
         """The staged kernel's super_block; the sums come with the magic bits (_magic_float)."""
         w_lo = w_lo + buf * SW_N
         w_hi = w_lo + 8 * PW
-        wa = tig + 4 * (tig >> 1)
-        wb = wa ^ 2
-        sc_sh = uint32(8 * (tig >> 1))
+        c4 = 8 * (tig >> 1)                     # the lane's qs chunk (k order: half_sums)
+        qa = w_lo + 4 + c4 + tig
+        qb = w_lo + 4 + c4 + (tig ^ 2)
         bx0 = (buf * SX_N + gid * PX) // 2 + tig
-        half_sums(sw, sx64, bx0, 0, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs)
-        half_sums(sw, sx64, bx0, 1, w_lo, w_hi, wa, wb, sc_sh, halves, isum, summs)
+        # the lane's two scale words (sub-blocks 8 (tig >> 1) ..): scales of word 0 in byte form,
+        # of word 1 in the high nibbles (for scale << 28); the mins of both
+        sc0_lo = sw[_ix(w_lo + (c4 >> 2))]
+        sc1_lo = sw[_ix(w_lo + (c4 >> 2) + 1)]
+        sc0_hi = sw[_ix(w_hi + (c4 >> 2))]
+        sc1_hi = sw[_ix(w_hi + (c4 >> 2) + 1)]
+        sl_lo = int32(sc0_lo & _LOW4)
+        sl_hi = int32(sc0_hi & _LOW4)
+        mh0_lo = int32((sc0_lo >> uint32(4)) & _LOW4)
+        mh0_hi = int32((sc0_hi >> uint32(4)) & _LOW4)
+        s4_lo = int32((sc1_lo << uint32(4)) & HI4)
+        s4_hi = int32((sc1_hi << uint32(4)) & HI4)
+        mh1_lo = int32((sc1_lo >> uint32(4)) & _LOW4)
+        mh1_hi = int32((sc1_hi >> uint32(4)) & _LOW4)
+        half_sums(sw, sx64, bx0, 0, qa, qb, sl_lo, sl_hi, mh0_lo, mh0_hi, s4_lo, s4_hi, mh1_lo, mh1_hi,
+                  halves, isum, summs)
+        half_sums(sw, sx64, bx0, 1, qa, qb, sl_lo, sl_hi, mh0_lo, mh0_hi, s4_lo, s4_hi, mh1_lo, mh1_hi,
+                  halves, isum, summs)
         dd_lo = sw[_ix(w_lo + 20)]
         dd_hi = sw[_ix(w_hi + 20)]
         d_lo = f16_bits_to_f32(dd_lo & _M16)
@@ -3577,12 +3590,15 @@ def _moe_down_tiles_lean_kernel(NH, NSB, max_regs=_DN_ST_REGS):
         s_first = w_row * PW + w_word
         x_pair = tid >> 4
         x_word = tid & 15
-        jj = x_word & 3
-        s_x = x_pair * PX + 8 * (x_word >> 2) + 4 * (jj >> 1) + ((jj ^ (jj >> 1)) & 1)
+        # the lean k order (see half_sums): u32 word u = 2 e + 8 m + h (h: the half) of the pair
+        # goes to position 8 g + 2 tig + r of its B fragments (g = 2 s + bit 2 of u % 8, lane tig
+        # = 2 (u >> 5) + (u & 1), r = (u >> 5) ^ bit 1 of u)
+        s_x = (x_pair * PX + 32 * ((x_word >> 2) & 1) + 8 * ((x_word >> 1) & 1) + 4 * (x_word >> 3)
+               + ((x_word >> 3) ^ (x_word & 1)))
         x_on = x_pair < 8 * halves
         d_on = tid < 8 * halves
         cuda.syncthreads()
-        x_first = spair[min(x_pair, TILE - 1)] * (32 * NSB) + x_word
+        x_first = spair[min(x_pair, TILE - 1)] * (32 * NSB) + (x_word & 3) + 8 * (x_word >> 2)
         d_first = spair[min(tid, TILE - 1)] * NSB
         w_lo = (16 * warp + gid) * PW
         sx64 = sx.view(np.uint64)
