@@ -164,6 +164,9 @@ quant = {
                                              dn_mma),
  "moe_down_tiles_staged Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_staged_kernel(2, 8),
                                                 dn_staged, qk._DN_ST_REGS),
+ # _DN_ST_LEAN: umulhi fields, magic-C sums, no per-step row check, a 32-bit step counter
+ "moe_down_tiles_lean Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_lean_kernel(2, 8),
+                                              dn_staged, qk._DN_ST_REGS),
 }
 
 bad = 0

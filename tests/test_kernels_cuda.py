@@ -428,17 +428,22 @@ def gate_up_kernel(request):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma,staged_gu,staged_dn,lean", [(False, False, False, False), (True, False, False, False),
-                                                        (True, True, False, False), (True, True, True, False),
-                                                        (True, True, True, True)],
-                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, lean, grouping, monkeypatch):
+@pytest.mark.parametrize("mma,staged_gu,staged_dn,gu_lean,dn_lean",
+                         [(False, False, False, False, False), (True, False, False, False, False),
+                          (True, True, False, False, False), (True, True, True, False, False),
+                          (True, True, True, True, False), (True, True, True, False, True),
+                          (True, True, True, True, True)],
+                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up", "lean-down",
+                              "lean"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, gu_lean, dn_lean, grouping,
+                                         monkeypatch):
     """Every token of moe_prefill equals moe_decode bit for bit; with the tensor cores, gate/up and
-    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), gate/up by the lean
-    staged kernel (_GU_ST_LEAN)."""
+    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), or by the lean
+    staged kernels (_GU_ST_LEAN, _DN_ST_LEAN)."""
     monkeypatch.setattr(K, "_MMA_STAGED_GU", staged_gu)
     monkeypatch.setattr(K, "_MMA_STAGED_DN", staged_dn)
-    monkeypatch.setattr(K, "_GU_ST_LEAN", lean)
+    monkeypatch.setattr(K, "_GU_ST_LEAN", gu_lean)
+    monkeypatch.setattr(K, "_DN_ST_LEAN", dn_lean)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -931,3 +936,44 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
         K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
+
+# ---- the lean staged Q2_K down kernel (_DN_ST_LEAN) -------------------------------------------
+
+@pytest.mark.parametrize("n_ff,n_embd,n_tok", [(2048, 4096, 29), (2048, 4096, 3), (256, 392, 13),
+                                               (768, 200, 13), (1280, 136, 13), (1792, 264, 21)])
+def test_moe_down_lean_equals_staged(n_ff, n_embd, n_tok, monkeypatch):
+    """The lean Q2_K down kernel against the staged kernel it replaces, bit for bit (uint32 views
+    of pair_out): the flash shape (2048 -> 4096: 8 super-blocks, two trips of the loop) with tiles
+    of 1 to 16 pairs and with tiles of <= 3 pairs only (one MMA column half), and the odd shapes of
+    test_moe_down_tiles_staged_equals_decode (1, 3, 5 and 7 super-blocks, short last row blocks,
+    warps whose rows are all past n_embd, an expert at an offset of 4 mod 8); then every pair
+    against moe_down of its slot alone."""
+    rng = _rng(29)
+    n_exp, n_used = 3, 2
+    nsb = n_ff // 256
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, offs = _arena([down[0], (down[1], 4), down[2]])
+    assert offs[1] % 8 == 4
+    table = np.array([[0, 0, o] for o in offs], np.int64)
+    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 1
+    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
+    n_pairs = n_tok * n_used
+    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_pairs * n_ff)))
+    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    counts = tiles[3].copy_to_host()
+    assert (counts.max() > 8) == (n_tok > 8)             # both column halves, or only the first
+    a32 = K._arena_views(arena)[1]
+    results = {}
+    for lean in (False, True):
+        monkeypatch.setattr(K, "_DN_ST_LEAN", lean)
+        pair_out = cuda.to_device(np.full(n_pairs * n_embd, np.nan, np.float32))
+        K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, True)
+        results[lean] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
+    assert np.array_equal(results[False].view(np.uint32), results[True].view(np.uint32))
+    out = cuda.device_array(n_embd, np.float32)
+    for p in range(n_pairs):
+        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
+        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
+                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
+        assert np.array_equal(results[True][p], out.copy_to_host()), f"pair {p}"
