@@ -514,6 +514,35 @@ def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
 
 
+def _down_case(rng, n_ff, n_embd, n_tok):
+    """Three random Q2_K down experts (the second at an offset of 4 mod 8), 2 slots per token (slot
+    0 always expert 1: one tile shared by every token), Q8_K activations of every pair and the
+    device tiles: (arena, table, ids, mq, md, mbs, tiles)."""
+    n_exp, n_used = 3, 2
+    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
+    arena, offs = _arena([down[0], (down[1], 4), down[2]])
+    assert offs[1] % 8 == 4
+    table = np.array([[0, 0, o] for o in offs], np.int64)
+    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = 1
+    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
+    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, ids.size * n_ff)))
+    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    return arena, table, ids, mq, md, mbs, tiles
+
+
+def _assert_pairs_equal_moe_down(pair_rows, case, n_ff, n_embd):
+    """Every (token, slot) pair's row equals moe_down of that slot alone (the decode kernel)."""
+    arena, table, ids, mq, md, mbs, _ = case
+    n_used, nsb = ids.shape[1], n_ff // 256
+    out = cuda.device_array(n_embd, np.float32)
+    for p in range(ids.size):
+        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
+        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
+                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
+        assert np.array_equal(pair_rows[p], out.copy_to_host()), f"pair {p}"
+
+
 @pytest.mark.parametrize("n_ff,n_embd", [(256, 392), (768, 200), (1280, 136)])
 def test_moe_down_tiles_staged_equals_decode(n_ff, n_embd):
     """The staged Q2_K down kernel on shapes the flash model does not have: rows of 1, 3 and 5
@@ -523,19 +552,9 @@ def test_moe_down_tiles_staged_equals_decode(n_ff, n_embd):
     expert at an offset of 4 mod 8 (only 4-byte alignment is assumed). Every pair's row equals
     moe_down of its slot alone (the decode kernel) and the direct tensor-core kernel, bit for
     bit."""
-    rng = _rng(13)
-    n_exp, n_tok, n_used = 3, 13, 2
-    nsb = n_ff // 256
-    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
-    arena, offs = _arena([down[0], (down[1], 4), down[2]])
-    assert offs[1] % 8 == 4
-    table = np.array([[0, 0, o] for o in offs], np.int64)
-    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 1
-    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
-    n_pairs = n_tok * n_used
-    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_pairs * n_ff)))
-    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    case = _down_case(_rng(13), n_ff, n_embd, 13)
+    arena, table, ids, mq, md, mbs, tiles = case
+    n_pairs, n_used = ids.size, ids.shape[1]
     assert int(tiles[3].copy_to_host().max()) > 8        # a tile that fills both MMA column halves
     a32 = K._arena_views(arena)[1]
     results = {}
@@ -544,12 +563,7 @@ def test_moe_down_tiles_staged_equals_decode(n_ff, n_embd):
         K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, staged)
         results[staged] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
     assert np.array_equal(results[True], results[False])
-    out = cuda.device_array(n_embd, np.float32)
-    for p in range(n_pairs):
-        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
-        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
-                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
-        assert np.array_equal(results[True][p], out.copy_to_host()), f"pair {p}"
+    _assert_pairs_equal_moe_down(results[True], case, n_ff, n_embd)
 
 
 def test_moe_decode_graph_replay_reads_device_buffers(experts):
@@ -948,19 +962,9 @@ def test_moe_down_lean_equals_staged(n_ff, n_embd, n_tok, monkeypatch):
     test_moe_down_tiles_staged_equals_decode (1, 3, 5 and 7 super-blocks, short last row blocks,
     warps whose rows are all past n_embd, an expert at an offset of 4 mod 8); then every pair
     against moe_down of its slot alone."""
-    rng = _rng(29)
-    n_exp, n_used = 3, 2
-    nsb = n_ff // 256
-    down = TD.random_weights(F.Q2_K, (n_exp, n_embd, n_ff), rng)
-    arena, offs = _arena([down[0], (down[1], 4), down[2]])
-    assert offs[1] % 8 == 4
-    table = np.array([[0, 0, o] for o in offs], np.int64)
-    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)
-    ids[:, 0] = 1
-    ids[:, 1] = np.where(ids[:, 1] == 1, 0, ids[:, 1])
-    n_pairs = n_tok * n_used
-    mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_pairs * n_ff)))
-    tiles = K._tiles_to_device(ids, table, 8 * K._MMA_HALVES_DN, 0)
+    case = _down_case(_rng(29), n_ff, n_embd, n_tok)
+    arena, table, ids, mq, md, mbs, tiles = case
+    n_pairs, n_used = ids.size, ids.shape[1]
     counts = tiles[3].copy_to_host()
     assert (counts.max() > 8) == (n_tok > 8)             # both column halves, or only the first
     a32 = K._arena_views(arena)[1]
@@ -971,9 +975,4 @@ def test_moe_down_lean_equals_staged(n_ff, n_embd, n_tok, monkeypatch):
         K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, True)
         results[lean] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
     assert np.array_equal(results[False].view(np.uint32), results[True].view(np.uint32))
-    out = cuda.device_array(n_embd, np.float32)
-    for p in range(n_pairs):
-        slot_off = cuda.to_device(table[ids[p // n_used, p % n_used]][None, :])
-        K.moe_down(arena, slot_off, F.Q2_K, n_ff, n_embd, mq[p * n_ff:(p + 1) * n_ff],
-                   md[p * nsb:(p + 1) * nsb], mbs[p * 16 * nsb:(p + 1) * 16 * nsb], out)
-        assert np.array_equal(results[True][p], out.copy_to_host()), f"pair {p}"
+    _assert_pairs_equal_moe_down(results[True], case, n_ff, n_embd)
