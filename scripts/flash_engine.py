@@ -57,13 +57,16 @@ def knob_defaults(configs):
     return {name: getattr(*_knob_owner(name)) for config in configs for name in config}
 
 
-def set_knobs(values) -> None:
-    """Set the knobs, and clear kernels/cuda.py's kernel caches (their builders read the knobs)."""
+def set_knobs(values, rebuild: bool = False) -> None:
+    """Set the knobs. rebuild: also clear kernels/cuda.py's kernel caches, for knobs that a kernel
+    builder reads but its cache key does not hold (the MoE decode shapes); every kernel is then
+    compiled again at its next launch, so a timed region must not follow a rebuild directly."""
     from ds4py.kernels import cuda as CK
     for name, value in values.items():
         setattr(*_knob_owner(name), value)
-    CK._KERNELS.clear()
-    CK._ROWDOTS.clear()
+    if rebuild:
+        CK._KERNELS.clear()
+        CK._ROWDOTS.clear()
 
 
 def knob_label(config) -> str:
