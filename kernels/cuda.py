@@ -31,8 +31,8 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, funnel_r, imad,
-                              cp_async16, cp_async4, cp_async16_at, cp_async4_at, cp_async_commit,
+from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
+                              imad, cp_async16, cp_async4, cp_async16_at, cp_async4_at, cp_async_commit,
                               cp_async_wait1, iq2_permute, ld_half, ld_pair, ld_u64x2, masked_negate,
                               mma_s8, mma_s8_acc, negate_bytes, pdl_enter, shr64_lo)
 from .cuda_ops import hc_post_dim
@@ -45,17 +45,15 @@ WARP = 32
 # H200): kernels/launch.py memoizes that for every dispatcher (False under the simulator)
 FAST_LAUNCH = _install_fast_launch()
 
-# numba's CUDA simulator takes neither forceinline nor max_registers: there these two drop them,
-# so the kernels here can be checked in the simulator too (those using mma_s8, a warp-wide
-# instruction it lacks, excepted). On a GPU they are exactly the options they name.
+# numba's CUDA simulator takes neither forceinline nor max_registers: there _inline
+# (cuda_intrinsics.forceinline) and _jit_capped drop them, so the kernels here can be checked in
+# the simulator too (those using mma_s8, a warp-wide instruction it lacks, excepted). On a GPU
+# they are exactly the options they name.
+_inline = forceinline
 if SIMULATOR:
-    _inline = cuda.jit(device=True)
-
     def _jit_capped(max_regs):
         return cuda.jit
 else:
-    _inline = cuda.jit(device=True, forceinline=True)
-
     def _jit_capped(max_regs):
         """cuda.jit with a register cap (0: none)."""
         return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit

@@ -95,6 +95,9 @@ import numpy as np
 from numba import cuda
 
 SIMULATOR = bool(getattr(cuda.config, "ENABLE_CUDASIM", False))
+# A device function NVVM inlines into its caller, so the constants a caller passes fold (numba's
+# simulator takes no forceinline: there it is a plain device function).
+forceinline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 def _pdl_supported() -> bool:

@@ -30,8 +30,8 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc, mul_rn,
-                                           pack_f16x2, pdl_enter, split_f16x2)
+from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc,
+                                           mul_rn, pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -47,9 +47,6 @@ FP4_MAX = 6.0
 
 # Warp shuffles exist on the GPU only; the simulator takes the shared-memory paths instead.
 USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
-# a device function inlined into its caller by NVVM, so arguments the caller passes as constants
-# fold (the simulator takes no forceinline)
-forceinline = cuda.jit(device=True) if numba_config.ENABLE_CUDASIM else cuda.jit(device=True, forceinline=True)
 
 
 def jit_for_threads(threads: int):

@@ -246,9 +246,9 @@ class FileArenaSource:
         return (g.offset, u.offset, d.offset, g.nbytes // n_exp, u.nbytes // n_exp, d.nbytes // n_exp)
 
 
-KEEP = ("zeros", "pos", "token")        # scratch the engine fills itself and then only reads
-KEEP += ("attn_counts",)                  # attention_decode's counts: zero at allocation, and each
-                                          # launch leaves them zero (state, not scratch)
+# scratch the engine fills itself and then only reads, and attention_decode's counts (zero at
+# allocation, and each launch leaves them zero: state, not scratch)
+KEEP = ("zeros", "pos", "token", "attn_counts")
 
 
 def poison_scratch(engine):
