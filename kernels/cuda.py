@@ -573,7 +573,7 @@ _MAGIC_F = 12582912.0
 # The tensor core adds the magic bits itself: C = bits(1.5 x 2^23) in every accumulator, so each
 # result is already c + bits(1.5 x 2^23) (|c| < 2^22: no int32 overflow, the same int32 value as
 # the VIADD after a C = 0 MMA) and only the FADD remains: the same bits, 4 VIADDs fewer per MMA.
-_MMA_ST_MAGIC_C = False
+_MMA_ST_MAGIC_C = True
 # 16-byte global loads (weights: 17 per staged row, a warp's 4 rows in 3 loads; activations: 16 per
 # token, 2 loads) from per-lane pointers computed once, 32-bit step offsets and a 32-bit step
 # schedule: the same bytes staged in the same places, so the same bits. Needs 16-byte aligned
@@ -591,7 +591,7 @@ _MMA_ST_VEC = False
 # ptxas sm_90 at cap 128, main loop per MMA: magic C + cp.async 28.9 instructions, 84 B spills ->
 # 24.0, no spills (magic C off: 31.8, 52 B -> 29.9, none). The same bytes staged, the same products
 # and sums: the same bits.
-_MMA_ST_CPASYNC = False
+_MMA_ST_CPASYNC = 2
 
 
 @_inline
@@ -1186,7 +1186,7 @@ else:
         return libdevice.int_as_float(int32(v & _M32))
 
 
-_F16_TILED = False   # the engine's F16 prefill matmuls use f16_rows_tiled where it applies
+_F16_TILED = True    # the engine's F16 prefill matmuls use f16_rows_tiled where it applies
 _F16_TILE_R = 8      # rows per warp
 _F16_TILE_T = 8      # tokens per warp (R * T a multiple of 32)
 _F16_TILE_REGS = 0   # register cap (0: none)
@@ -2704,7 +2704,7 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
 # _GU_ST_COPIES copies of each table (lane l reads copy l % copies) spread a warp's random
 # lookups over more banks (1: 1.5 KB of tables; 4: 6 KB).
 
-_GU_ST_LEAN = False     # moe_prefill's staged gate/up: the lean kernel (same bits) where it applies
+_GU_ST_LEAN = True      # moe_prefill's staged gate/up: the lean kernel (same bits) where it applies
 _GU_ST_COPIES = 1       # copies of the lean kernel's selector tables (1, 2, 4 or 8)
 
 _SEL_TABLES = None

@@ -988,7 +988,7 @@ def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
         raw_cache[row, i] = f16_round(kv[i])
 
 
-Q_HEADS_THREADS = BLOCK   # q_heads' block (one (head, token) each); fewer threads put more of the
+Q_HEADS_THREADS = 64      # q_heads' block (one (head, token) each); fewer threads put more of the
                           # small blocks on an SM at once (the Σx² association changes, in f64)
 
 

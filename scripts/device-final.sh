@@ -12,24 +12,24 @@ export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 T0=$(date +%s)
 left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - T0) )); }
 budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1)
-# the GPU tests in two processes at once (numba compiles on one core each), then the VRAM-filling
-# source tests alone (they take all free VRAM on purpose)
-gpu_tests() { timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings "$@"; }
+# the GPU tests: the kernel tests in KSHARDS processes (default 5; numba compiles each kernel variant
+# on one core, DS4PY_TEST_SHARD in tests/conftest.py), the forward tests beside them, then the
+# VRAM-filling source tests alone (they take all free VRAM on purpose)
+gpu_tests() { timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings "$@"; local rc=$?
+              [ $rc -eq 124 ] && echo "TIMED OUT after ${TESTS_S:-300} s: pytest $*"; return $rc; }
+KSHARDS=${KSHARDS:-5}
+KFILES="tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py"
 # TESTS_K: only the GPU tests that match this -k expression (a mid-session check); SKIP_BENCH=1
-if [ -n "${TESTS_K:-}" ]; then
-  gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py -k "$TESTS_K" > $OUT/gpu_tests_kernels.log 2>&1 &
-  gpu_tests tests/test_forward_cuda.py -k "$TESTS_K" > $OUT/gpu_tests_forward.log 2>&1
-  wait
-  touch $OUT/gpu_tests_sources.log
-else
-  gpu_tests tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py > $OUT/gpu_tests_kernels.log 2>&1 &
-  gpu_tests tests/test_forward_cuda.py > $OUT/gpu_tests_forward.log 2>&1
-  wait
-  gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1
-fi
-cat $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
-rm $OUT/gpu_tests_kernels.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
-grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -12
+for i in $(seq 0 $((KSHARDS - 1))); do
+  DS4PY_TEST_SHARD=$i/$KSHARDS gpu_tests $KFILES ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_kernels_$i.log 2>&1 &
+done
+gpu_tests tests/test_forward_cuda.py ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_forward.log 2>&1
+wait
+if [ -n "${TESTS_K:-}" ]; then touch $OUT/gpu_tests_sources.log
+else gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1; fi
+cat $(ls $OUT/gpu_tests_kernels_*.log 2>/dev/null) $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
+rm -f $OUT/gpu_tests_kernels_*.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
+grep -E "passed|failed|FAILED|Error|TIMED OUT" $OUT/gpu_tests.log | tail -16
 echo "tests done at $(( $(date +%s) - T0 )) s"
 [ -z "${SKIP_BENCH:-}" ] && BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
 if [ -n "${ATTN_BENCH:-}" ] && [ "$(left)" -gt 40 ]; then
@@ -38,7 +38,7 @@ if [ -n "${ATTN_BENCH:-}" ] && [ "$(left)" -gt 40 ]; then
 fi
 if [ -n "${DECODE_AB:-}" ] && [ "$(left)" -gt 40 ]; then     # ';'-separated knob sets
   IFS=';' read -ra sets <<< "$DECODE_AB"
-  timeout $(budget 100) python3 scripts/decode_ab.py --reps 2 $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
+  timeout $(budget ${DECODE_AB_S:-100}) python3 scripts/decode_ab.py --reps 2 $(printf -- '--set %s ' "${sets[@]}") 2>&1 \
     | grep -v Warn > $OUT/decode_ab.log
   grep -E "step ms" $OUT/decode_ab.log
 fi

@@ -18,6 +18,21 @@ CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "promessi_spo
 ITALIAN_SLICES = json.loads((Path(__file__).parent / "data" / "italian_slices.json").read_text(encoding="utf-8"))
 
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """DS4PY_TEST_SHARD=i/n keeps every n-th selected test from the i-th (0-based): the device runs
+    split the GPU tests over processes, since numba compiles each kernel variant on one core."""
+    shard = os.environ.get("DS4PY_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    keep = [item for position, item in enumerate(items) if position % count == index]
+    dropped = [item for position, item in enumerate(items) if position % count != index]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` preset, exactly as `ds4py make-model --preset tiny` writes it."""
