@@ -137,8 +137,6 @@ class Scratch:
             n_selected=cuda.to_device(np.zeros(P, i32)),
             part_max=d((P, s.n_head, n_splits), f32), part_den=d((P, s.n_head, n_splits), f32),
             part_acc=d((P, s.n_head, n_splits, s.head_dim), f32),
-            # attention_decode's per head group count of finished split blocks (each launch leaves 0)
-            attn_counts=cuda.to_device(np.zeros((P, (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS), i32)),
             f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
             router=d((P, s.n_exp), f32), expert_ids=d((P, s.n_used), i32), route_w=d((P, s.n_used), f32),
             slot_offsets=d((P, s.n_used, 3), np.int64), moe_out=d((P, s.n_embd), f32),
@@ -486,27 +484,18 @@ class CudaEngine:
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
             groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
             n_splits = b.part_max.shape[2]
-            merged = False                    # attention_decode merged the splits itself
             if (T > 1 and n_splits == 1 and ops.ATTN_PREFILL_MMA and s.head_dim == ops.ATTN_MMA_DIM
                     and s.n_head % ops.ATTN_MMA_HEADS == 0):
                 # prefill: the tensor-core kernel, same partials (not the same bits)
                 ops.attention_prefill_mma[(s.n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
-            elif T == 1 and ops.ATTN_DECODE_FUSED and self._on("combine") and n_splits <= ops.ATTN_SPLITS:
-                # decode: the partials and their merge in one launch (same bits)
-                ops.attention_decode[(groups, n_splits, T), ops.ATTN_THREADS, st](
-                    b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
-                    s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc,
-                    b.attn_counts, self.w32, self.off32(p + "attn_sinks.weight"), s.n_rot, freqs,
-                    s.n_group, b.attn, b.attn_q, b.attn_d)
-                merged = True
             else:
                 ops.attention_partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
-            if self._on("combine") and not merged:
+            if self._on("combine"):
                 ops.combine_kernel(n_splits)[(s.n_head, dim_blocks, T), ops.COMBINE_THREADS, st](
                     b.part_max, b.part_den, b.part_acc, self.w32, self.off32(p + "attn_sinks.weight"), b.pos,
                     s.head_dim, s.n_rot, freqs, s.n_group, b.attn, b.attn_q, b.attn_d)

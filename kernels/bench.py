@@ -454,7 +454,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
     saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN,
-             CK._GU_ST_COPIES, CK._DN_ST_LEAN)
+             CK._GU_ST_COPIES)
     d_table = cuda.to_device(table)
     d_ids = cuda.to_device(ids)
     try:
@@ -464,22 +464,20 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                     X[:n], d_ids[:n], rw[:n], 10.0, out[:n])
             first_bits = None
             # lean, copies: the staged gate/up with the byte-permute decode (_GU_ST_LEAN) and its
-            # tables' copies (_GU_ST_COPIES); dn_lean: the lean staged down (_DN_ST_LEAN)
-            for mma, gu, dn, st_gu, st_dn, lean, copies, dn_lean, label in (
-                    (False, 1, 1, False, False, False, 1, False, ""),
-                    (True, 2, 1, False, False, False, 1, False, ", tc, 16-pair gate/up, 8-pair down tiles"),
-                    (True, 2, 2, False, False, False, 1, False, ", tc, 16-pair gate/up and down tiles"),
-                    (True, 2, 2, True, False, False, 1, False, ", tc, 16-pair tiles, staged gate/up"),
-                    (True, 2, 2, True, True, False, 1, False, ", tc, 16-pair tiles, staged gate/up and down"),
-                    (True, 2, 2, True, True, True, 1, False, ", tc, 16-pair tiles, staged, lean gate/up"),
-                    (True, 2, 2, True, True, True, 2, False, ", tc, 16-pair tiles, staged, lean gate/up x2 tables"),
-                    (True, 2, 2, True, True, True, 4, False, ", tc, 16-pair tiles, staged, lean gate/up x4 tables"),
-                    (True, 2, 2, True, True, True, 8, False, ", tc, 16-pair tiles, staged, lean gate/up x8 tables"),
-                    (True, 2, 2, True, True, False, 1, True, ", tc, 16-pair tiles, staged, lean down"),
-                    (True, 2, 2, True, True, True, 1, True, ", tc, 16-pair tiles, staged, lean gate/up and down")):
+            # tables' copies (_GU_ST_COPIES)
+            for mma, gu, dn, st_gu, st_dn, lean, copies, label in (
+                    (False, 1, 1, False, False, False, 1, ""),
+                    (True, 2, 1, False, False, False, 1, ", tc, 16-pair gate/up, 8-pair down tiles"),
+                    (True, 2, 2, False, False, False, 1, ", tc, 16-pair gate/up and down tiles"),
+                    (True, 2, 2, True, False, False, 1, ", tc, 16-pair tiles, staged gate/up"),
+                    (True, 2, 2, True, True, False, 1, ", tc, 16-pair tiles, staged gate/up and down"),
+                    (True, 2, 2, True, True, True, 1, ", tc, 16-pair tiles, staged, lean gate/up"),
+                    (True, 2, 2, True, True, True, 2, ", tc, 16-pair tiles, staged, lean gate/up x2 tables"),
+                    (True, 2, 2, True, True, True, 4, ", tc, 16-pair tiles, staged, lean gate/up x4 tables"),
+                    (True, 2, 2, True, True, True, 8, ", tc, 16-pair tiles, staged, lean gate/up x8 tables")):
                 CK._MMA_HALVES_GU, CK._MMA_HALVES_DN = gu, dn
                 CK._MMA_STAGED_GU, CK._MMA_STAGED_DN = st_gu, st_dn
-                CK._GU_ST_LEAN, CK._GU_ST_COPIES, CK._DN_ST_LEAN = lean, copies, dn_lean
+                CK._GU_ST_LEAN, CK._GU_ST_COPIES = lean, copies
                 ms = timer.time_eager(lambda s: CK.moe_prefill(*args, stream=s, mma=mma))
                 bits = out[:n].copy_to_host().view(np.uint32)
                 first_bits = bits if first_bits is None else first_bits
@@ -491,7 +489,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                     f"{'' if same else '  DIFFERENT BITS from the dp4a kernels'}")
     finally:
         (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN,
-         CK._GU_ST_COPIES, CK._DN_ST_LEAN) = saved
+         CK._GU_ST_COPIES) = saved
     return res
 
 

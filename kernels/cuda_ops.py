@@ -390,8 +390,6 @@ HC_TOK_DOTS = HC_TOKENS * HC_MIX_MAX
 HC_TOK_SUMS = HC_TOKENS * HC_SUMS
 HC_TOK_VALS = HC_TOKENS * HC_MIX_VALS
 HC_W8 = 8 * HC_MIX_VALS                # weight values of 8 mixer rows per thread
-HC_MIX_CONST = False   # hc_mix_tokens' copy with the model's sizes as constants (same operations;
-                       # not yet run on a GPU: off until it is; read when the kernel compiles)
 assert HC_MIX_MAX % 8 == 0 and HC_GRAM % 8 == 0
 
 
@@ -495,15 +493,8 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     n_hc = state.shape[1]
     n_rows = part_dot.shape[1]
     nthr = cuda.blockDim.x
-    # the model's shape with its sizes as constants (the index arithmetic folds: ptxas counted
-    # 884 IMAD and 385 ISETP against 128 FFMA in the general copy), else the general copy
-    if (HC_MIX_CONST and n_hc == HC_MAX and n_rows == HC_MIX_MAX and nthr == BLOCK
-            and chunk_len == HC_MIX_VALS * BLOCK):
-        mix_tokens_block(state, w16, fn_off, HC_MIX_VALS * BLOCK, with_gram, part_dot, part_sq, part_gram,
-                         HC_MAX, HC_MIX_MAX, BLOCK, dots, sums64, tree64, tree32)
-    else:
-        mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram,
-                         n_hc, n_rows, nthr, dots, sums64, tree64, tree32)
+    mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram,
+                     n_hc, n_rows, nthr, dots, sums64, tree64, tree32)
 
 
 @cuda.jit(cache=True)
@@ -989,7 +980,8 @@ def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
 
 
 Q_HEADS_THREADS = 64      # q_heads' block (one (head, token) each); fewer threads put more of the
-                          # small blocks on an SM at once (the Σx² association changes, in f64)
+                          # small blocks on an SM at once (the Σx² association changes, in f64).
+                          # H200, session 16, 2,048-token prefill: 256 threads 2,510 tok/s, 64: 2,581
 
 
 @cuda.jit(cache=True)
@@ -1567,8 +1559,6 @@ ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
 ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
-ATTN_DECODE_FUSED = False  # decode (T = 1) takes attention_decode: the partials and the merge in one
-                           # launch (bit-exact in the simulator; not yet run on a GPU: off until it is)
 # Two attention_partial blocks per SM (<= 128 registers): 160 busy blocks at 640 rows then all run
 # at once on the 132 SMs. The simulator's jit takes no launch bounds.
 ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 2)}
@@ -2297,104 +2287,6 @@ attention_combine_one = _attention_combine_kernel(1)            # prefill: one r
 def combine_kernel(n_splits: int):
     """The attention_combine kernel for n_splits row ranges per head."""
     return attention_combine_one if n_splits == 1 else attention_combine
-
-
-# ---- decode attention in one launch ---------------------------------------------------------------
-#
-# attention_decode is attention_partial followed, in the same grid, by attention_combine's merge:
-# the last of a head group's split blocks to finish (an atomic count per (token, group), reset by
-# that block for the next replay of the graph) merges the group's 8 heads. One launch and one
-# dependency fewer on the decode step's serial chain (attention_combine's place in it: 0.41 ms of
-# 8.5, session 11's profile). The merge does attention_combine's f32 operations in its order (one
-# thread per head finds the max, the split weights and the denominator; then every thread merges
-# dim pairs, the splits in order), so the outputs are the same bits.
-
-@cuda.jit(device=True)
-def merge_group(part_max, part_den, part_acc, w32, sinks_off, group, t, n_tok, pos_buf, head_dim, n_rot,
-                freqs, heads_per_group, out, out_q, out_d, weights, den_all):
-    """Block-wide: attention_combine's output for heads group*ATTN_HEADS .. + ATTN_HEADS - 1 of
-    token t (partials complete; weights [ATTN_HEADS, ATTN_SPLITS] and den_all [ATTN_HEADS] are
-    shared scratch)."""
-    tid = cuda.threadIdx.x
-    n_splits = part_max.shape[1]                   # <= ATTN_SPLITS
-    head0 = group * ATTN_HEADS
-    n_mine = min(ATTN_HEADS, part_max.shape[0] - head0)     # the last group may have fewer heads
-    if tid < n_mine:
-        head = head0 + tid
-        s_max = cuda.local.array(ATTN_SPLITS, float32)
-        s_den = cuda.local.array(ATTN_SPLITS, float32)
-        for s_ in range(ATTN_SPLITS):
-            if s_ < n_splits:
-                s_max[s_] = part_max[head, s_]
-                s_den[s_] = part_den[head, s_]
-        sink = w32[sinks_off + head]
-        m = sink
-        for s_ in range(ATTN_SPLITS):
-            if s_ < n_splits:
-                m = max(m, s_max[s_])
-        den = math.exp(sink - m)
-        for s_ in range(ATTN_SPLITS):
-            if s_ < n_splits:
-                w = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float32(0.0)
-                weights[tid, s_] = w
-                den += w * s_den[s_]
-        den_all[tid] = den
-    cuda.syncthreads()
-    pairs = head_dim // 2
-    for j0 in range(0, n_mine * pairs, cuda.blockDim.x):
-        j = j0 + tid
-        inside = j < n_mine * pairs
-        hl = j // pairs if inside else 0
-        head = head0 + hl
-        d = 2 * (j - hl * pairs)
-        x0 = float32(0.0)
-        x1 = float32(0.0)
-        if inside:
-            acc0 = float32(0.0)
-            acc1 = float32(0.0)
-            for s_ in range(n_splits):
-                w = weights[hl, s_]
-                if w != 0:
-                    acc0 += w * part_acc[head, s_, d]
-                    acc1 += w * part_acc[head, s_, d + 1]
-            x0 = acc0 / den_all[hl]
-            x1 = acc1 / den_all[hl]
-        finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, freqs, heads_per_group,
-                    out, out_q, out_d)
-
-
-@cuda.jit(cache=True, **ATTN_JIT)
-def attention_decode(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                     use_selected, head_dim, part_max_all, part_den_all, part_acc_all, counts, w32,
-                     sinks_off, n_rot, freqs, n_group, out, out_q, out_d):
-    """attention_partial, then attention_combine's merge by the last block of each head group
-    (see above). Grid and threads as attention_partial's, n_splits <= ATTN_SPLITS; counts: int32
-    [T, head groups], zero before the first launch (each launch leaves it zero)."""
-    pdl_enter()
-    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)
-    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)
-    rescale = cuda.shared.array(ATTN_HEADS, float32)
-    scratch = cuda.shared.array(ATTN_THREADS, float32)
-    weights = cuda.shared.array((ATTN_HEADS, ATTN_SPLITS), float32)
-    den_all = cuda.shared.array(ATTN_HEADS, float32)
-    last = cuda.shared.array(1, int32)
-    attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
-                    rescale, scratch)
-    group = cuda.blockIdx.x
-    t = cuda.blockIdx.z
-    cuda.threadfence()                  # this block's partials are visible before it is counted
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        last[0] = int32(cuda.atomic.add(counts, (t, group), 1) == cuda.gridDim.y - 1)
-    cuda.syncthreads()
-    if last[0] != 0:                    # block-uniform
-        if cuda.threadIdx.x == 0:
-            counts[t, group] = 0
-        cuda.threadfence()
-        merge_group(part_max_all[t], part_den_all[t], part_acc_all[t], w32, sinks_off, group, t,
-                    cuda.gridDim.z, pos_buf, head_dim, n_rot, freqs, part_max_all.shape[1] // n_group,
-                    out, out_q, out_d, weights, den_all)
 
 
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------

@@ -41,8 +41,6 @@ sigs = {
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
  "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
  "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
- "attention_decode": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4,
-                      i32a2, f32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
  "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),
@@ -164,9 +162,6 @@ quant = {
                                              dn_mma),
  "moe_down_tiles_staged Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_staged_kernel(2, 8),
                                                 dn_staged, qk._DN_ST_REGS),
- # _DN_ST_LEAN: umulhi fields, magic-C sums, no per-step row check, a 32-bit step counter
- "moe_down_tiles_lean Q2_K (16-pair tiles)": (lambda: qk._moe_down_tiles_lean_kernel(2, 8),
-                                              dn_staged, qk._DN_ST_REGS),
 }
 
 bad = 0

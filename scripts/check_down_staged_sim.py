@@ -7,8 +7,7 @@ warp's 32 threads (each deposits its fragments, the 16x32 A and 32x8 B are assem
 fragment layout, each thread takes its four results), byte_perm and int_as_float in Python. The
 simulator's fma is a*b + c in f32, and so is the model's. Slow (Python threads): a few shapes.
 
-    NUMBA_ENABLE_CUDASIM is set here; run: python scripts/check_down_staged_sim.py [--lean] [nsb,n_embd,n_tok,n_used,n_exp,base ...]
-    (--lean: the lean copy, _moe_down_tiles_lean_kernel, against the same model)
+    NUMBA_ENABLE_CUDASIM is set here; run: python scripts/check_down_staged_sim.py [nsb,n_embd,n_tok,n_used,n_exp,base ...]
 """
 import os
 import sys
@@ -61,7 +60,7 @@ def mma_s8_acc(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 class FakeLibdevice:
-    """The libdevice functions the kernels call (PTX prmt, a bit cast, the lean kernel's umulhi)."""
+    """The libdevice functions the kernels call (PTX prmt, a bit cast)."""
 
     @staticmethod
     def byte_perm(x, y, s):
@@ -71,10 +70,6 @@ class FakeLibdevice:
             sel = (int(s) >> (4 * i)) & 7
             out |= ((v >> (8 * sel)) & 0xFF) << (8 * i)
         return np.int32(np.uint32(out).view(np.int32))
-
-    @staticmethod
-    def umulhi(x, y):
-        return np.int32(np.uint32(((int(x) & 0xFFFFFFFF) * (int(y) & 0xFFFFFFFF)) >> 32).view(np.int32))
 
     @staticmethod
     def int_as_float(x):
@@ -111,7 +106,7 @@ def reference(arena, off, rows, nsb, mq, md, pair):
     return out
 
 
-def run(nsb, n_embd, n_tok, n_used, n_exp, base, NH=2, seed=0, lean=False):
+def run(nsb, n_embd, n_tok, n_used, n_exp, base, NH=2, seed=0):
     """Random Q2_K experts (expert e's down matrix at base + e·n_embd·84·nsb), Q8_K activations
     and expert ids; the kernel's pair_out against reference(); returns the pairs that differ."""
     rng = np.random.default_rng(seed)
@@ -132,10 +127,10 @@ def run(nsb, n_embd, n_tok, n_used, n_exp, base, NH=2, seed=0, lean=False):
     md = rng.uniform(0.01, 0.1, n_pairs * nsb).astype(np.float32)
     T = 8 * NH
     tile_off, tile_tok, tile_slot, tile_cnt = qk.group_tiles(ids, table, T)
-    kern = (qk._moe_down_tiles_lean_kernel if lean else qk._moe_down_tiles_staged_kernel)(NH, nsb)
+    kern = qk._moe_down_tiles_staged_kernel(NH, nsb)
     pair_out = np.full(n_pairs * n_embd, np.nan, np.float32)
     grid = ((n_embd + 127) // 128, tile_cnt.size)
-    print(f"{'lean' if lean else 'staged'} nsb {nsb} n_embd {n_embd} base {base}: grid {grid}, tile counts {tile_cnt.tolist()}", flush=True)
+    print(f"staged nsb {nsb} n_embd {n_embd} base {base}: grid {grid}, tile counts {tile_cnt.tolist()}", flush=True)
     kern[grid, 256](arena.view(np.uint32)[: arena.size // 4], tile_off.reshape(-1), tile_tok.reshape(-1),
                     tile_slot.reshape(-1), tile_cnt, n_used, mq.view(np.int64), md, n_embd, pair_out)
     pair_out = pair_out.reshape(n_pairs, n_embd)
@@ -155,11 +150,9 @@ def run(nsb, n_embd, n_tok, n_used, n_exp, base, NH=2, seed=0, lean=False):
 
 if __name__ == "__main__":
     # default: 3 super-blocks (odd), a short last row block, a 16-pair tile, offsets 4 mod 8
-    lean = "--lean" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--lean"]
-    cases = [tuple(int(v) for v in a.split(",")) for a in args] or [(3, 136, 12, 2, 2, 36)]
+    cases = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:]] or [(3, 136, 12, 2, 2, 36)]
     total = 0
     for nsb, n_embd, n_tok, n_used, n_exp, base in cases:
-        total += run(nsb, n_embd, n_tok, n_used, n_exp, base, lean=lean)
+        total += run(nsb, n_embd, n_tok, n_used, n_exp, base)
     print("BAD" if total else "ALL OK")
     raise SystemExit(1 if total else 0)

@@ -246,9 +246,8 @@ class FileArenaSource:
         return (g.offset, u.offset, d.offset, g.nbytes // n_exp, u.nbytes // n_exp, d.nbytes // n_exp)
 
 
-# scratch the engine fills itself and then only reads, and attention_decode's counts (zero at
-# allocation, and each launch leaves them zero: state, not scratch)
-KEEP = ("zeros", "pos", "token", "attn_counts")
+# scratch the engine fills itself and then only reads
+KEEP = ("zeros", "pos", "token")
 
 
 def poison_scratch(engine):

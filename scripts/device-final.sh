@@ -6,7 +6,8 @@
 # KBENCH_PARTS (scripts/bench_kernels.py
 # parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
 # the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk).
-# A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1.
+# A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1;
+# SKIP_TESTS=1: no tests.
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 T0=$(date +%s)
@@ -17,20 +18,22 @@ budget() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }     # min(left, $1
 # VRAM-filling source tests alone (they take all free VRAM on purpose)
 gpu_tests() { timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:warnings "$@"; local rc=$?
               [ $rc -eq 124 ] && echo "TIMED OUT after ${TESTS_S:-300} s: pytest $*"; return $rc; }
-KSHARDS=${KSHARDS:-5}
-KFILES="tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py"
-# TESTS_K: only the GPU tests that match this -k expression (a mid-session check); SKIP_BENCH=1
-for i in $(seq 0 $((KSHARDS - 1))); do
-  DS4PY_TEST_SHARD=$i/$KSHARDS gpu_tests $KFILES ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_kernels_$i.log 2>&1 &
-done
-gpu_tests tests/test_forward_cuda.py ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_forward.log 2>&1
-wait
-if [ -n "${TESTS_K:-}" ]; then touch $OUT/gpu_tests_sources.log
-else gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1; fi
-cat $(ls $OUT/gpu_tests_kernels_*.log 2>/dev/null) $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
-rm -f $OUT/gpu_tests_kernels_*.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
-grep -E "passed|failed|FAILED|Error|TIMED OUT" $OUT/gpu_tests.log | tail -16
-echo "tests done at $(( $(date +%s) - T0 )) s"
+if [ -z "${SKIP_TESTS:-}" ]; then     # SKIP_TESTS=1: the bench and A/Bs only
+  KSHARDS=${KSHARDS:-5}
+  KFILES="tests/test_kernels_cuda.py tests/test_cuda_ops_sim.py"
+  # TESTS_K: only the GPU tests that match this -k expression (a mid-session check); SKIP_BENCH=1
+  for i in $(seq 0 $((KSHARDS - 1))); do
+    DS4PY_TEST_SHARD=$i/$KSHARDS gpu_tests $KFILES ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_kernels_$i.log 2>&1 &
+  done
+  gpu_tests tests/test_forward_cuda.py ${TESTS_K:+-k "$TESTS_K"} > $OUT/gpu_tests_forward.log 2>&1
+  wait
+  if [ -n "${TESTS_K:-}" ]; then touch $OUT/gpu_tests_sources.log
+  else gpu_tests tests/test_sources_cuda.py > $OUT/gpu_tests_sources.log 2>&1; fi
+  cat $(ls $OUT/gpu_tests_kernels_*.log 2>/dev/null) $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log > $OUT/gpu_tests.log
+  rm -f $OUT/gpu_tests_kernels_*.log $OUT/gpu_tests_forward.log $OUT/gpu_tests_sources.log
+  grep -E "passed|failed|FAILED|Error|TIMED OUT" $OUT/gpu_tests.log | tail -16
+  echo "tests done at $(( $(date +%s) - T0 )) s"
+fi
 [ -z "${SKIP_BENCH:-}" ] && BENCH_S=$(budget ${BENCH_S:-280}) bash scripts/device-engine.sh bench
 if [ -n "${ATTN_BENCH:-}" ] && [ "$(left)" -gt 40 ]; then
   timeout $(budget 60) python3 scripts/bench_attention.py 2>&1 | grep -v Warn > $OUT/bench_attention.log

@@ -306,28 +306,6 @@ def test_pipelined_greedy_run_equals_token_by_token(model, regime):
     so.close()
 
 
-def test_fused_decode_attention_equals_partial_and_combine(model, monkeypatch):
-    """attention_decode (the partials and their merge in one launch, the last block of each head
-    group merging) against attention_partial + attention_combine: bitwise the same decode logits
-    over graph replays (each replay finds the counts the last one left)."""
-    from ds4py.kernels import cuda_ops as ops
-    tokens = _tokens(90, seed=8)
-
-    def run():
-        engine, source = _engine(model, "device")
-        engine.prefill(tokens[:60])
-        out = [np.array(engine.decode(tok)) for tok in tokens[60:90]]
-        source.close()
-        return out
-
-    monkeypatch.setattr(ops, "ATTN_DECODE_FUSED", True)
-    fused = run()
-    monkeypatch.setattr(ops, "ATTN_DECODE_FUSED", False)
-    plain = run()
-    for i, (got, want) in enumerate(zip(fused, plain)):
-        assert np.array_equal(got, want), f"decode {i}: logits differ"
-
-
 def test_memoized_launches_equal_numba_launches(model):
     """kernels/launch.py relaunches through cuda.core with the arguments numba marshalled at the
     first launch: a batched prefill in chunks, then decodes, give bitwise the logits of numba's own

@@ -428,22 +428,17 @@ def gate_up_kernel(request):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma,staged_gu,staged_dn,gu_lean,dn_lean",
-                         [(False, False, False, False, False), (True, False, False, False, False),
-                          (True, True, False, False, False), (True, True, True, False, False),
-                          (True, True, True, True, False), (True, True, True, False, True),
-                          (True, True, True, True, True)],
-                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up", "lean-down",
-                              "lean"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, gu_lean, dn_lean, grouping,
-                                         monkeypatch):
+@pytest.mark.parametrize("mma,staged_gu,staged_dn,gu_lean",
+                         [(False, False, False, False), (True, False, False, False),
+                          (True, True, False, False), (True, True, True, False), (True, True, True, True)],
+                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, gu_lean, grouping, monkeypatch):
     """Every token of moe_prefill equals moe_decode bit for bit; with the tensor cores, gate/up and
-    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), or by the lean
-    staged kernels (_GU_ST_LEAN, _DN_ST_LEAN)."""
+    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), gate/up also by the
+    lean staged kernel (_GU_ST_LEAN, the default)."""
     monkeypatch.setattr(K, "_MMA_STAGED_GU", staged_gu)
     monkeypatch.setattr(K, "_MMA_STAGED_DN", staged_dn)
     monkeypatch.setattr(K, "_GU_ST_LEAN", gu_lean)
-    monkeypatch.setattr(K, "_DN_ST_LEAN", dn_lean)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -866,12 +861,18 @@ STAGED_LEAN_CASES = [(32768, 1024, 512, 0), (4096, 8192, 512, 0), (1024, 4096, 5
                      (1500, 1280, 70, 0), (600, 2304, 50, 0), (70, 2048, 100, 8), (64, 256, 16, 0)]
 STAGED_LEAN_VARIANTS = [(True, False, False), (False, True, False), (True, True, False),
                         (False, False, True), (True, False, True), (False, False, 2), (True, False, 2)]
+STAGED_DEFAULT = (True, False, 2)          # the engine's settings (magic C, lean cp.async): every case
+# the other variants (not the engine's) over a short row and token tile, split-K, a short last
+# chunk and the 8-mod-16 offset: each variant compiles its own kernel, and the device time is short
+STAGED_SOME_CASES = [(1024, 4096, 512, 0), (37, 4096, 37, 0), (8200, 256, 33, 0), (1500, 1280, 70, 0),
+                     (70, 2048, 100, 8)]
+STAGED_LEAN_PARAMS = [case + STAGED_DEFAULT for case in STAGED_LEAN_CASES] + [
+    case + variant for variant in STAGED_LEAN_VARIANTS if variant != STAGED_DEFAULT for case in STAGED_SOME_CASES]
 
 
-@pytest.mark.parametrize("magic_c,vec,cpa", STAGED_LEAN_VARIANTS,
-                         ids=[f"magic{int(m)}-vec{int(v)}-cpa{int(c)}" for m, v, c in STAGED_LEAN_VARIANTS])
-@pytest.mark.parametrize("rows,Kd,n_tok,extra", STAGED_LEAN_CASES,
-                         ids=[f"{c[0]}x{c[1]}x{c[2]}+{c[3]}" for c in STAGED_LEAN_CASES])
+@pytest.mark.parametrize("rows,Kd,n_tok,extra,magic_c,vec,cpa", STAGED_LEAN_PARAMS,
+                         ids=[f"{p[0]}x{p[1]}x{p[2]}+{p[3]}-magic{int(p[4])}-vec{int(p[5])}-cpa{int(p[6])}"
+                              for p in STAGED_LEAN_PARAMS])
 def test_q8_0_mma_staged_lean_same_bits(rows, Kd, n_tok, extra, magic_c, vec, cpa, monkeypatch):
     """The staged kernel with the magic-bits accumulator (_MMA_ST_MAGIC_C), the 16-byte loads
     (_MMA_ST_VEC) or the cp.async staging (_MMA_ST_CPASYNC) gives the current staged kernel's and
@@ -950,29 +951,3 @@ def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
         K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
-
-# ---- the lean staged Q2_K down kernel (_DN_ST_LEAN) -------------------------------------------
-
-@pytest.mark.parametrize("n_ff,n_embd,n_tok", [(2048, 4096, 29), (2048, 4096, 3), (256, 392, 13),
-                                               (768, 200, 13), (1280, 136, 13), (1792, 264, 21)])
-def test_moe_down_lean_equals_staged(n_ff, n_embd, n_tok, monkeypatch):
-    """The lean Q2_K down kernel against the staged kernel it replaces, bit for bit (uint32 views
-    of pair_out): the flash shape (2048 -> 4096: 8 super-blocks, two trips of the loop) with tiles
-    of 1 to 16 pairs and with tiles of <= 3 pairs only (one MMA column half), and the odd shapes of
-    test_moe_down_tiles_staged_equals_decode (1, 3, 5 and 7 super-blocks, short last row blocks,
-    warps whose rows are all past n_embd, an expert at an offset of 4 mod 8); then every pair
-    against moe_down of its slot alone."""
-    case = _down_case(_rng(29), n_ff, n_embd, n_tok)
-    arena, table, ids, mq, md, mbs, tiles = case
-    n_pairs, n_used = ids.size, ids.shape[1]
-    counts = tiles[3].copy_to_host()
-    assert (counts.max() > 8) == (n_tok > 8)             # both column halves, or only the first
-    a32 = K._arena_views(arena)[1]
-    results = {}
-    for lean in (False, True):
-        monkeypatch.setattr(K, "_DN_ST_LEAN", lean)
-        pair_out = cuda.to_device(np.full(n_pairs * n_embd, np.nan, np.float32))
-        K._launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, 0, True)
-        results[lean] = pair_out.copy_to_host().reshape(n_pairs, n_embd)
-    assert np.array_equal(results[False].view(np.uint32), results[True].view(np.uint32))
-    _assert_pairs_equal_moe_down(results[True], case, n_ff, n_embd)
