@@ -8,10 +8,20 @@ A knob is an attribute of ds4py.kernels.cuda, or ops.NAME of ds4py.kernels.cuda_
     python3 scripts/prefill_ab.py --set "_MMA_ST_MAGIC_C=1,_MMA_ST_CPASYNC=2" --set "_F16_TILED=1"
 
 --knob/--values times one knob at each value; --set (repeatable) times the defaults and then each
-configuration of NAME=INT,... items.
+configuration of NAME=INT,... items. A kernel compiled inside a timed prefill (one the
+--warm-tokens prefill did not launch) is printed with its configuration and rep.
 """
 import argparse
 import time
+
+
+def compiled_kernels() -> set:
+    """(kernel, argument types) of every compiled kernel of ds4py.kernels.cuda (module kernels and
+    built ones) and cuda_ops: what a timed prefill adds to it was compiled inside the timing."""
+    from ds4py.kernels import cuda as CK, cuda_ops as ops
+    named = [(repr(key), k) for key, k in list(CK._KERNELS.items()) + list(CK._ROWDOTS.items())]
+    named += [(f"{mod.__name__}.{name}", k) for mod in (CK, ops) for name, k in vars(mod).items()]
+    return {(name, str(sig)) for name, k in named for sig in getattr(k, "overloads", None) or {}}
 
 
 def main() -> None:
@@ -22,6 +32,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="NAME=INT,... (repeatable)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warm-tokens", type=int, default=64, help="each configuration's untimed prefill")
     args = ap.parse_args()
 
     from numba import cuda
@@ -43,17 +54,20 @@ def main() -> None:
         for config in configs:                    # compile each configuration's kernels before any timing
             set_knobs({**defaults, **config})
             engine.restore(start)
-            engine.prefill(ids[:64])
+            engine.prefill(ids[:args.warm_tokens])
             cuda.synchronize()
         for _ in range(args.reps):
             for k, config in enumerate(configs):
                 set_knobs({**defaults, **config})
                 engine.restore(start)
                 cuda.synchronize()
+                before = compiled_kernels()
                 t0 = time.perf_counter()
                 engine.prefill(ids)
                 cuda.synchronize()
                 rates[k].append(len(ids) / (time.perf_counter() - t0))
+                for name, sig in sorted(compiled_kernels() - before):
+                    print(f"{knob_label(config)}: compiled inside the timed prefill: {name} {sig}")
     finally:
         set_knobs(defaults)
     for config, r in zip(configs, rates):
