@@ -56,7 +56,7 @@ def main() -> None:
             engine.restore(start)
             engine.prefill(ids[:args.warm_tokens])
             cuda.synchronize()
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             for k, config in enumerate(configs):
                 set_knobs({**defaults, **config})
                 engine.restore(start)
@@ -67,7 +67,7 @@ def main() -> None:
                 cuda.synchronize()
                 rates[k].append(len(ids) / (time.perf_counter() - t0))
                 for name, sig in sorted(compiled_kernels() - before):
-                    print(f"{knob_label(config)}: compiled inside the timed prefill: {name} {sig}")
+                    print(f"{knob_label(config)}, rep {rep + 1}: compiled inside the timed prefill: {name} {sig}")
     finally:
         set_knobs(defaults)
     for config, r in zip(configs, rates):
