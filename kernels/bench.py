@@ -453,8 +453,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
     table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
-    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN,
-             CK._GU_ST_COPIES)
+    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN)
     d_table = cuda.to_device(table)
     d_ids = cuda.to_device(ids)
     try:
@@ -463,21 +462,17 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
             args = (moe["arena"].buf, d_table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
                     X[:n], d_ids[:n], rw[:n], 10.0, out[:n])
             first_bits = None
-            # lean, copies: the staged gate/up with the byte-permute decode (_GU_ST_LEAN) and its
-            # tables' copies (_GU_ST_COPIES)
-            for mma, gu, dn, st_gu, st_dn, lean, copies, label in (
-                    (False, 1, 1, False, False, False, 1, ""),
-                    (True, 2, 1, False, False, False, 1, ", tc, 16-pair gate/up, 8-pair down tiles"),
-                    (True, 2, 2, False, False, False, 1, ", tc, 16-pair gate/up and down tiles"),
-                    (True, 2, 2, True, False, False, 1, ", tc, 16-pair tiles, staged gate/up"),
-                    (True, 2, 2, True, True, False, 1, ", tc, 16-pair tiles, staged gate/up and down"),
-                    (True, 2, 2, True, True, True, 1, ", tc, 16-pair tiles, staged, lean gate/up"),
-                    (True, 2, 2, True, True, True, 2, ", tc, 16-pair tiles, staged, lean gate/up x2 tables"),
-                    (True, 2, 2, True, True, True, 4, ", tc, 16-pair tiles, staged, lean gate/up x4 tables"),
-                    (True, 2, 2, True, True, True, 8, ", tc, 16-pair tiles, staged, lean gate/up x8 tables")):
+            # lean: the staged gate/up with the byte-permute decode (_GU_ST_LEAN)
+            for mma, gu, dn, st_gu, st_dn, lean, label in (
+                    (False, 1, 1, False, False, False, ""),
+                    (True, 2, 1, False, False, False, ", tc, 16-pair gate/up, 8-pair down tiles"),
+                    (True, 2, 2, False, False, False, ", tc, 16-pair gate/up and down tiles"),
+                    (True, 2, 2, True, False, False, ", tc, 16-pair tiles, staged gate/up"),
+                    (True, 2, 2, True, True, False, ", tc, 16-pair tiles, staged gate/up and down"),
+                    (True, 2, 2, True, True, True, ", tc, 16-pair tiles, staged, lean gate/up")):
                 CK._MMA_HALVES_GU, CK._MMA_HALVES_DN = gu, dn
                 CK._MMA_STAGED_GU, CK._MMA_STAGED_DN = st_gu, st_dn
-                CK._GU_ST_LEAN, CK._GU_ST_COPIES = lean, copies
+                CK._GU_ST_LEAN = lean
                 ms = timer.time_eager(lambda s: CK.moe_prefill(*args, stream=s, mma=mma))
                 bits = out[:n].copy_to_host().view(np.uint32)
                 first_bits = bits if first_bits is None else first_bits
@@ -488,8 +483,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                 log(f"  {r['name']:44s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s"
                     f"{'' if same else '  DIFFERENT BITS from the dp4a kernels'}")
     finally:
-        (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN,
-         CK._GU_ST_COPIES) = saved
+        (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN) = saved
     return res
 
 

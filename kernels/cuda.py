@@ -2705,15 +2705,14 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
 # * the step's weight loads from 32-bit row offsets in shared memory added to one 64-bit base per
 #   matrix and step, instead of 64-bit offsets per row (LDS.64, 64-bit add, LEA pair per row).
 #
-# _GU_ST_COPIES copies of each table (lane l reads copy l % copies) spread a warp's random
-# lookups over more banks (1: 1.5 KB of tables; 4: 6 KB). More copies were slower (H200, session
-# 16, MoE prefill of 2,048 tokens: 1 copy 5.29 ms, 2/4/8 copies 5.39/5.40/5.44 ms).
+# Copies of each table in shared memory (lane l reading copy l % copies, to spread a warp's random
+# lookups over more banks) were slower: H200, session 16, MoE prefill of 2,048 tokens, one copy
+# 5.29 ms, 2/4/8 copies 5.39/5.40/5.44 ms (removed).
 #
 # The default since session 16 (H200, 2,048-token prefill of the flash preset: 2,426 -> 2,581
 # tok/s with it; kbench MoE prefill 6.68 -> 5.29 ms against the staged kernel).
 
 _GU_ST_LEAN = True      # moe_prefill's staged gate/up: the lean kernel (same bits) where it applies
-_GU_ST_COPIES = 1       # copies of the lean kernel's selector tables (1, 2, 4 or 8)
 
 _SEL_TABLES = None
 
@@ -2740,11 +2739,10 @@ def _iq2_selector_tables_device():
     return _SEL_TABLES
 
 
-def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
+def _moe_gate_up_tiles_lean_kernel(NH, max_regs=_GU_ST_REGS):
     """_moe_gate_up_tiles_staged_kernel (the same launch, the same numbers) with the lean decode
     above; its last two arguments are the selector tables (iq2_selector_tables) instead of the
-    grid and sign tables. copies: 1, 2, 4 or 8 copies of each table in shared memory."""
-    assert copies in (1, 2, 4, 8)
+    grid and sign tables."""
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
     TILE = 8 * NH
     NB = 4 * NH
@@ -2760,11 +2758,9 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
     SXD_N = 2 * TILE
     PW_N = RPW + 1
     PX_N = 2 * PPW
-    SH = 2 + copies.bit_length() - 1            # log2 of a table entry's bytes with its copies
+    SH = 2                                      # log2 of a table entry's bytes
     MG = np.uint32(0xFF << SH)                  # the grid index field at its byte offset
     MS = np.uint32(0x7F << SH)                  # the sign index field
-    GN = 256 * copies                          # the tables' words with their copies
-    SN = 128 * copies
     assert ROWS == 128 and RPW == 16
 
     @_inline
@@ -2802,7 +2798,7 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
             sxd[_ix(tid)] = pd[0]
 
     @_inline
-    def row_fields(sw, gsel_s, ssel_s, r, b, j, lsh, loff):
+    def row_fields(sw, gsel_s, ssel_s, r, b, j, lsh):
         """Row offset r's group j of super-block b: its entry's selector words (this lane's grid
         entry of the 4) and its scale 2·s + 1. Super-block 0 starts 2 bytes into the words: the
         aux words are bits 16.. of the pairs (w0, w1), (w1, w2), so a field at bit p of aux is
@@ -2812,14 +2808,14 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
             w0 = sw[_ix(r + 2 * j)]
             w1 = sw[_ix(r + 2 * j + 1)]
             w2 = sw[_ix(r + 2 * j + 2)]
-            og = (shr64_lo(w0, w1, lsh[0]) & MG) | loff
-            os = (shr64_lo(w1, w2, lsh[1]) & MS) | loff
+            og = shr64_lo(w0, w1, lsh[0]) & MG
+            os = shr64_lo(w1, w2, lsh[1]) & MS
             ls = imad((w2 >> uint32(12)) & uint32(15), 2, 1)
         else:
             aux0 = sw[_ix(r + 17 + 2 * j)]
             aux1 = sw[_ix(r + 18 + 2 * j)]
-            og = (funnel_r(aux0, aux0, lsh[2]) & MG) | loff
-            os = (funnel_r(aux1, aux1, lsh[3]) & MS) | loff
+            og = funnel_r(aux0, aux0, lsh[2]) & MG
+            os = funnel_r(aux1, aux1, lsh[3]) & MS
             ls = imad(aux1 >> uint32(28), 2, 1)
         return gsel_s[_ix(og >> uint32(2))], ssel_s[_ix(os >> uint32(2))], ls
 
@@ -2830,9 +2826,9 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
         return f16_bits_to_f32(sw[_ix(r + 16)] >> uint32(16))
 
     @_inline
-    def group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, j, bsum):
-        g_lo, s_lo, ls_lo = row_fields(sw, gsel_s, ssel_s, r_lo, b, j, lsh, loff)
-        g_hi, s_hi, ls_hi = row_fields(sw, gsel_s, ssel_s, r_hi, b, j, lsh, loff)
+    def group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, j, bsum):
+        g_lo, s_lo, ls_lo = row_fields(sw, gsel_s, ssel_s, r_lo, b, j, lsh)
+        g_hi, s_hi, ls_hi = row_fields(sw, gsel_s, ssel_s, r_hi, b, j, lsh)
         # k order (Q8_0 section): lane tig takes the 8 weights of grid entry tig
         a0, a2 = iq2_permute(g_lo, s_lo, pos)
         a1, a3 = iq2_permute(g_hi, s_hi, pos)
@@ -2846,17 +2842,17 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
                 bsum[4 * h + 3] = imad(c3, ls_hi, bsum[4 * h + 3])
 
     @_inline
-    def super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, b, acc, bsum):
+    def super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, pos, halves, b, acc, bsum):
         for e in range(NB):
             bsum[e] = int32(0)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 0, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 1, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 2, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 3, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 4, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 5, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 6, bsum)
-        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, loff, pos, halves, b, 7, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 0, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 1, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 2, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 3, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 4, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 5, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 6, bsum)
+        group(sw, sx, gsel_s, ssel_s, r_lo, r_hi, xo, lsh, pos, halves, b, 7, bsum)
         dw_lo = block_scale(sw, r_lo, b)
         dw_hi = block_scale(sw, r_hi, b)
         for h in range(NH):
@@ -2874,8 +2870,8 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
     def moe_gate_up_tiles_lean(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
                                route_w, clamp, n_ff, rb, mid, gsel_g, ssel_g):
         pdl_enter()
-        gsel_s = cuda.shared.array(GN, uint32)
-        ssel_s = cuda.shared.array(SN, uint32)
+        gsel_s = cuda.shared.array(256, uint32)
+        ssel_s = cuda.shared.array(128, uint32)
         sw = cuda.shared.array(SW_N, uint32)
         sx = cuda.shared.array(SX_N, uint64)
         sxd = cuda.shared.array(SXD_N, float32)
@@ -2894,10 +2890,10 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
         tig = lane & 3
         row0 = cuda.blockIdx.x * _GU_ST_ROWS
         base = tile * TILE
-        for i in range(tid, GN, cuda.blockDim.x):      # entry i // copies, copy i % copies
-            gsel_s[i] = gsel_g[i // copies]
-        for i in range(tid, SN, cuda.blockDim.x):
-            ssel_s[i] = ssel_g[i // copies]
+        for i in range(tid, 256, cuda.blockDim.x):
+            gsel_s[i] = gsel_g[i]
+        for i in range(tid, 128, cuda.blockDim.x):
+            ssel_s[i] = ssel_g[i]
         if tid < WARP:
             pos_s[tid] = uint32(0x2B190800)            # iq2_permute's bytes 0, 8, 25, 43
         wbase_g = tile_off[tile * 3] >> 2              # the matrices' first 32-bit words
@@ -2923,7 +2919,6 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
         lsh[1] = uint32(16 + 7 * tig - SH)
         lsh[2] = uint32((8 * tig - SH) & 31)
         lsh[3] = uint32((7 * tig - SH) & 31)
-        loff = uint32((lane & (copies - 1)) << 2)      # the lane's copy, in bytes
         pw = cuda.local.array(PW_N, uint32)
         px = cuda.local.array(PX_N, uint64)
         pd = cuda.local.array(1, float32)
@@ -2945,8 +2940,8 @@ def _moe_gate_up_tiles_lean_kernel(NH, copies=1, max_regs=_GU_ST_REGS):
             if s + 1 < nsteps:
                 load_step(a32, rbase, roff, wbase_g, wbase_u, xq64, xd, s + 1, tok_w, tok_d, words, nsb, warp,
                           lane, tid, pw, px, pd)
-            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, 0, acc, bsum)
-            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, loff, pos, halves, 1, acc, bsum)
+            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, pos, halves, 0, acc, bsum)
+            super_block(sw, sx, sxd, gsel_s, ssel_s, r_lo, r_hi, xo, tig, lsh, pos, halves, 1, acc, bsum)
             for e in range(2 * NB):
                 first = acc[e]
                 acc[e] = acc[2 * NB + e]
@@ -3802,8 +3797,8 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu and _MMA_STAGED_GU and _GU_ST_LEAN and gate_up_staged_applies(n_embd):
-        NH, copies = _MMA_HALVES_GU, _GU_ST_COPIES
-        gu = _cached(("moe_gu_tiles_lean", NH, copies), lambda: _moe_gate_up_tiles_lean_kernel(NH, copies))
+        NH = _MMA_HALVES_GU
+        gu = _cached(("moe_gu_tiles_lean", NH), lambda: _moe_gate_up_tiles_lean_kernel(NH))
         gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](
             a32, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w),
             np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, *_iq2_selector_tables_device())

@@ -926,28 +926,26 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
         assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
 
 
-# ---- the lean staged gate/up kernel (_GU_ST_LEAN, _GU_ST_COPIES) ------------------------------
+# ---- the lean staged gate/up kernel (_GU_ST_LEAN) ----------------------------------------------
 
-@pytest.mark.parametrize("copies", [1, 2, 4, 8])
 @pytest.mark.parametrize("n_embd,n_ff,n_tok", [(1536, 512, 23), (2048, 256, 23), (1024, 768, 37),
                                                (4096, 2048, 61)])
-def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok, copies):
+def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok):
     """The lean gate/up kernel (byte-permute decode) against the staged kernel it replaces, bit for
     bit (uint32 views of moe_prefill's output): odd and even step counts (1536: 3 steps; 1024: 2),
-    tiles of 1 to 16 pairs, the flash shape (4096 -> 2048); every copy count of the tables; and
-    against moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
+    tiles of 1 to 16 pairs, the flash shape (4096 -> 2048); and against moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
     arena, table, X, ids, rw = _moe_prefill_case(_rng(17), n_embd, n_ff, n_tok)
     ids[: n_tok // 3, 1] = 5
     outs = []
-    saved = (K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES)
+    saved = (K._MMA_STAGED_GU, K._GU_ST_LEAN)
     try:
         for lean in (False, True):
-            K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = True, lean, copies
+            K._MMA_STAGED_GU, K._GU_ST_LEAN = True, lean
             out = cuda.device_array((n_tok, n_embd), np.float32)
             K.moe_prefill(arena, table, F.IQ2_XXS, F.Q2_K, n_embd, n_ff, cuda.to_device(X), ids,
                           cuda.to_device(rw), 10.0, out, mma=True)
             outs.append(out.copy_to_host())
     finally:
-        K._MMA_STAGED_GU, K._GU_ST_LEAN, K._GU_ST_COPIES = saved
+        K._MMA_STAGED_GU, K._GU_ST_LEAN = saved
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
