@@ -573,25 +573,18 @@ def bench_tune(timer, copy_bw, rng, log, moe):
 
 def bench_tune_prefill(timer, rng, log):
     """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps, prefetch, the
-    magic-C accumulator, the 16-byte loads and the cp.async staging against the direct kernel, at the engine's prefill
-    shapes; every variant's output must equal the direct kernel's bit for bit (a mismatch is logged
-    and recorded)."""
+    magic-C accumulator and the cp.async staging against the direct kernel, at the engine's
+    prefill shapes; every variant's output must equal the direct kernel's bit for bit (a mismatch
+    is logged and recorded)."""
     from . import cuda as CK
     cuda = _cuda()
     knobs = ("_MMA_ST_ROWS", "_MMA_ST_TOKS", "_MMA_ST_REGS", "_MMA_ST_PREFETCH", "_MMA_ST_MAGIC_C",
-             "_MMA_ST_VEC", "_MMA_ST_CPASYNC")
+             "_MMA_ST_CPASYNC")
     saved = tuple(getattr(CK, k) for k in knobs)
-    # (rows, tokens, register cap, prefetch, magic C, 16-byte loads, cp.async: 2 the lean staging)
-    variants = [(32, 32, 128, True, False, False, False), (32, 32, 128, True, True, False, False),
-                (32, 32, 128, True, False, True, False), (32, 32, 128, True, True, True, False),
-                (32, 32, 168, True, True, True, False), (32, 32, 0, True, True, True, False),
-                (32, 32, 128, True, False, False, True), (32, 32, 128, True, True, False, True),
-                (32, 32, 168, True, True, False, True),
-                (32, 32, 128, True, False, False, 2), (32, 32, 128, True, True, False, 2),
-                (32, 32, 168, True, True, False, 2), (64, 16, 128, True, True, False, 2),
-                (32, 16, 128, True, True, False, 2),
-                (64, 16, 128, True, False, False, False), (64, 16, 128, True, True, True, False),
-                (32, 16, 128, True, True, True, False), (64, 32, 0, True, True, True, False)]
+    # (rows, tokens, register cap, prefetch, magic C, cp.async); the engine's: the first cp.async row
+    variants = [(32, 32, 128, True, True, True), (32, 32, 128, True, False, True), (32, 32, 168, True, True, True),
+                (64, 16, 128, True, True, True), (32, 16, 128, True, True, True),
+                (32, 32, 128, True, False, False), (32, 32, 128, True, True, False), (64, 16, 128, True, True, False)]
     res = []
     try:
         for name, rows, K, n in (("Q8_0 4096->2048", 2048, 4096, 2048), ("Q8_0 4096->1536", 1536, 4096, 512),
@@ -603,8 +596,8 @@ def bench_tune_prefill(timer, rng, log):
             out = cuda.device_array((n, rows), np.float32)
             runs = [("direct", None)] + [
                 (f"staged {R}x{T} regs={g or 'none'}{'' if pf else ' no-prefetch'}"
-                 f"{' magicC' if mc else ''}{' vec' if vec else ''}{' lean' if cpa == 2 else ''}{' cp.async' if cpa else ''}",
-                 (R, T, g, pf, mc, vec, cpa)) for R, T, g, pf, mc, vec, cpa in variants]
+                 f"{' magicC' if mc else ''}{' cp.async' if cpa else ''}",
+                 (R, T, g, pf, mc, cpa)) for R, T, g, pf, mc, cpa in variants]
             want = None
             for label, v in runs:
                 if v is not None:

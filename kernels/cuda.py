@@ -574,26 +574,23 @@ _MAGIC_F = 12582912.0
 # result is already c + bits(1.5 x 2^23) (|c| < 2^22: no int32 overflow, the same int32 value as
 # the VIADD after a C = 0 MMA) and only the FADD remains: the same bits, 4 VIADDs fewer per MMA.
 _MMA_ST_MAGIC_C = True
-# 16-byte global loads (weights: 17 per staged row, a warp's 4 rows in 3 loads; activations: 16 per
-# token, 2 loads) from per-lane pointers computed once, 32-bit step offsets and a 32-bit step
-# schedule: the same bytes staged in the same places, so the same bits. Needs 16-byte aligned
-# weight offsets and activation rows (the launch falls back to the 8-byte loads otherwise).
-_MMA_ST_VEC = False
-# The 16-byte loads of _MMA_ST_VEC as cp.async copies straight into a second set of staging
-# buffers (double-buffered shared memory, 47.6 KB a block): no registers in flight, no STS; the
-# same bytes in the same places, so the same bits (the same alignment needs as _MMA_ST_VEC).
-# 2 (lean cp.async): lane l copies chunks l % 8, + 8, + 16 of staged row l // 8 (tokens alike), so
-# a lane's copies are one shared and one global base plus immediates (the shared offsets reach the
-# copy as an immediate operand: LLVM hoisted one 64-bit address per copy and buffer, ptxas spilled
-# them); the activation scales block-major (a lane's token pair in one 8-byte load), the weight
-# scales as 16-bit loads, token tiles outermost, and with _MMA_ST_MAGIC_C the magic C words read
-# once from shared memory (ptxas re-created the constant in the C registers before every MMA).
-# ptxas sm_90 at cap 128, main loop per MMA: magic C + cp.async 28.9 instructions, 84 B spills ->
-# 24.0, no spills (magic C off: 31.8, 52 B -> 29.9, none). The same bytes staged, the same products
-# and sums: the same bits. The default since session 16 with _MMA_ST_MAGIC_C (H200, 2,048-token
-# prefill of the flash preset: 2,305 -> 2,581 tok/s with both; _MMA_ST_VEC + MAGIC_C instead
-# gained half as much, 1,892 -> 1,986-2,001 against 2,080-2,107 in another run).
-_MMA_ST_CPASYNC = 2
+# The lean cp.async staging: 16-byte cp.async copies straight into a second set of staging
+# buffers (double-buffered shared memory, 47.6 KB a block: no registers in flight, no STS); lane l
+# copies chunks l % 8, + 8, + 16 of staged row l // 8 (tokens alike), so a lane's copies are one
+# shared and one global base plus immediates (the shared offsets reach the copy as an immediate
+# operand: LLVM had hoisted one 64-bit address per copy and buffer, and ptxas spilled them); the
+# activation scales block-major (a lane's token pair in one 8-byte load), the weight scales as
+# 16-bit loads, token tiles outermost, and with _MMA_ST_MAGIC_C the magic C words read once from
+# shared memory (ptxas re-created the constant in the C registers before every MMA). The same
+# bytes staged in the same places, the same products and sums: the same bits. Needs 16-byte
+# aligned weight offsets and activation rows (the launch falls back to the 8-byte loads
+# otherwise). ptxas sm_90 at cap 128, main loop per MMA with magic C: 24.0 instructions, no
+# spills (the 8-byte loads: ~40, 52 B of spills). H200, session 16, 2,048-token prefill of the
+# flash preset: 2,305 -> 2,581 tok/s with it and magic C. Two variants lost and were removed:
+# 16-byte loads into registers (with magic C 1,986-2,001 tok/s against cp.async's 2,080-2,107,
+# from 1,892-1,915), and cp.async with one copy per chunk i = lane + 32 j (28.9 instructions per
+# MMA and 84 B of spills against 24.0 and none).
+_MMA_ST_CPASYNC = True
 
 
 @_inline
@@ -610,7 +607,7 @@ def _exact_float(c):
 
 def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_REGS,
                             MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8, magic_c=_MMA_ST_MAGIC_C,
-                            vec=_MMA_ST_VEC, cpa=_MMA_ST_CPASYNC):
+                            cpa=_MMA_ST_CPASYNC):
     ROWS = 16 * MT                   # rows and tokens of the block tile
     TOKS = 8 * NT
     NE = 4 * MT * NT                 # sums per lane: (row tile, token tile, 4 MMA results)
@@ -630,59 +627,30 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     COMB_N = 4 * HALF * 32
     NBUF = 2 if cpa else 1              # cp.async: the next step lands in the other buffer
     SA_T, SB_T, SXD_T = NBUF * SA_N, NBUF * SB_N, NBUF * SXD_N
-    vec = vec or cpa
     assert _MMA_G_WARPS == 8 and XD_N <= NTH and 2 * RPW <= WARP
-    # vec: the warp's RPW staged rows as 17 RPW chunks of 16 bytes, chunk i = lane + 32 j of
-    # row i // 17; its TPW tokens as 16 TPW chunks, chunk lane + 32 j of token i // 16
-    A_CH = 17 * RPW
-    A_J = (A_CH + WARP - 1) // WARP
-    A_LAST = A_CH - WARP * (A_J - 1)        # lanes with a chunk in the last load
-    B_J = 16 * TPW // WARP
-    A_W = 2 * A_J                            # uint64 words in flight per lane
-    B_W = 2 * B_J
-    assert 16 * TPW % WARP == 0
-    # cpa == 2 (lean): lane l copies chunks l % LPR, + LPR, ... of staged row l // LPR (tokens
-    # alike, LPT lanes a token), so a lane's chunks of one step are one base plus constants: one
-    # global and one shared index a lane for the weights, the same for the activations
-    lean = cpa == 2
+    # cpa: lane l copies chunks l % LPR, + LPR, ... of staged row l // LPR (tokens alike, LPT
+    # lanes a token), so a lane's chunks of one step are one base plus constants: one global and
+    # one shared index a lane for the weights, the same for the activations
     LPR = WARP // RPW                        # lanes per staged row
     L_AJ = (17 + LPR - 1) // LPR             # weight chunks a lane (the last one: lanes < L_ALAST)
     L_ALAST = 17 - LPR * (L_AJ - 1)
     LPT = WARP // TPW                        # lanes per staged token
     L_BJ = 16 // LPT
-    assert not lean or (WARP % RPW == 0 and WARP % TPW == 0 and 16 % LPT == 0)
-    # lean: the activation scales block-major (scale g of token t at g XS_P + t), so a lane's two
+    assert not cpa or (WARP % RPW == 0 and WARP % TPW == 0 and 16 % LPT == 0)
+    # cpa: the activation scales block-major (scale g of token t at g XS_P + t), so a lane's two
     # tokens' scales are one 8-byte load (XS_P = TOKS + 4: the copies of a warp on distinct banks)
     XS_P = TOKS + 4
-    AF_N, WD_N = 4 * MT, 2 * MT              # lean: a lane's A fragments and weight scales
-    SM_AL = 16 if lean else None             # lean: the staging aligned for its 16- and 8-byte accesses
-    if lean:
+    AF_N, WD_N = 4 * MT, 2 * MT              # cpa: a lane's A fragments and weight scales
+    SM_AL = 16 if cpa else None              # cpa: the staging aligned for its 16- and 8-byte accesses
+    if cpa:
         SXD_N = 8 * XS_P
         SXD_T = NBUF * SXD_N
 
     @_inline
-    def vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos):
-        """Per-lane loop invariants of load_vec/store_vec: the global index of each chunk at step 0
-        (int64 weights, uint32 activations) and its shared-memory index."""
-        for j in range(A_J):
-            i = lane + WARP * j if j < A_J - 1 else (WARP * j + lane % A_LAST)
-            m = i // 17
-            q = i - 17 * m
-            abase[j] = rbase[_ix(warp + 8 * m)] + 2 * q
-            sa_o[j] = uint32((warp + 8 * m) * P32 + 4 * q)
-        for j in range(B_J):
-            m = (lane >> 4) + 2 * j
-            tok = min(tok0 + warp + 8 * m, n_tok - 1)
-            bbase[j] = uint32(tok * (4 * nb) + 2 * (lane & 15))
-            sb_o[j] = uint32((warp + 8 * m) * P + 2 * (lane & 15))
-        tok = min(tok0 + (tid >> 3), n_tok - 1)
-        dpos[0] = uint32(tok * nb + (tid & 7))
-        dpos[1] = uint32((tid >> 3) * 9 + (tid & 7))
-
-    @_inline
     def lean_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos):
-        """vec_bases for the lean copies: element 0 of each array, chunk j of a lane at + j LPR
-        chunks (the same bytes in the same places, only which lane copies which chunk differs)."""
+        """Per-lane loop invariants of issue_lean: the global index of its first chunk at step 0
+        (int64 weights, uint32 activations) and its shared-memory index; chunk j of a lane is at
+        + j LPR chunks."""
         m = lane // LPR
         q = lane % LPR
         abase[0] = rbase[_ix(warp + 8 * m)] + 2 * q
@@ -698,7 +666,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
     @_inline
     def issue_lean(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
-        """issue_cpa for the lean chunk assignment (lean_bases)."""
+        """Step st's chunks as asynchronous copies into staging buffer buf (lean_bases)."""
         ga = abase[0] + int64(34) * int64(st)
         for j in range(L_AJ):
             if j < L_AJ - 1 or L_ALAST == LPR or lane % LPR < L_ALAST:
@@ -708,47 +676,6 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             cp_async16_at(sb, sb_o[0], buf * SB_N + 2 * LPT * j, xq64, gb, uint32(2 * LPT * j))
         if XD_N == NTH or tid < XD_N:
             cp_async4_at(sxd, dpos[1], buf * SXD_N, xd, 0, uint32(dpos[0] + uint32(8 * st)))
-
-    @_inline
-    def load_vec(a64, xq64, xd, st, lane, tid, abase, bbase, dpos, pa, pb, pd):
-        """Step st's chunks into registers (the same bytes as load_step, 16 at a time)."""
-        s34 = uint32(34 * st)
-        for j in range(A_J):
-            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
-                pa[2 * j], pa[2 * j + 1] = ld_u64x2(a64, abase[j], s34)
-        s32 = uint32(32 * st)
-        for j in range(B_J):
-            pb[2 * j], pb[2 * j + 1] = ld_u64x2(xq64, 0, uint32(bbase[j] + s32))
-        if XD_N == NTH or tid < XD_N:
-            pd[0] = xd[_ix(uint32(dpos[0] + uint32(8 * st)))]
-
-    @_inline
-    def issue_cpa(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
-        """Step st's chunks (load_vec's) as asynchronous copies into staging buffer buf."""
-        s34 = uint32(34 * st)
-        for j in range(A_J):
-            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
-                cp_async16(sa, uint32(sa_o[j] + buf * SA_N), a64, abase[j], s34)
-        s32 = uint32(32 * st)
-        for j in range(B_J):
-            cp_async16(sb, uint32(sb_o[j] + buf * SB_N), xq64, 0, uint32(bbase[j] + s32))
-        if XD_N == NTH or tid < XD_N:
-            cp_async4(sxd, uint32(dpos[1] + buf * SXD_N), xd, 0, uint32(dpos[0] + uint32(8 * st)))
-
-    @_inline
-    def store_vec(sa, sb, sxd, lane, tid, sa_o, sb_o, dpos, pa, pb, pd):
-        for j in range(A_J):
-            if j < A_J - 1 or A_LAST == WARP or lane < A_LAST:
-                o = sa_o[j]
-                sa[_ix(o)] = uint32(pa[2 * j] & _M32)
-                sa[_ix(o + uint32(1))] = uint32(pa[2 * j] >> uint64(32))
-                sa[_ix(o + uint32(2))] = uint32(pa[2 * j + 1] & _M32)
-                sa[_ix(o + uint32(3))] = uint32(pa[2 * j + 1] >> uint64(32))
-        for j in range(B_J):
-            sb[_ix(sb_o[j])] = pb[2 * j]
-            sb[_ix(sb_o[j] + uint32(1))] = pb[2 * j + 1]
-        if XD_N == NTH or tid < XD_N:
-            sxd[_ix(dpos[1])] = pd[0]
 
     @_inline
     def load_step(a64, rbase, xq64, xd, st, tok0, n_tok, nb, warp, lane, tid, pa, pb, pd):
@@ -850,7 +777,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
     @_inline
     def mma_step_lean(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf, mg):
-        """mma_step for the lean staging: the scales block-major (one 8-byte load a token pair),
+        """mma_step for the cp.async staging: the scales block-major (one 8-byte load a token pair),
         the weight scales as 16-bit loads, token tiles outermost (the 2 MT A fragments stay, one B
         fragment at a time), the magic C from the 4 registers mg (loaded once: ptxas cannot
         rematerialise them as 4 moves before each MMA). The same products and sums."""
@@ -912,19 +839,13 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             if cn32 >= nch:
                 wn32 = uint32(w32 + 1)
                 cn32 = wn32
-        if wn32 < S and lean:               # in flight while the MMAs run
+        if wn32 < S:                        # in flight while the MMAs run
             issue_lean(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
                        bbase, sb_o, dpos, 1 - buf)
-        elif wn32 < S:
-            issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, sa_o,
-                      bbase, sb_o, dpos, 1 - buf)
         cp_async_commit()                   # (an empty group after the last step)
         cp_async_wait1()                    # this thread's copies of this step have landed
         cuda.syncthreads()                  # and every thread's
-        if lean:
-            mma_step_lean(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf, mg)
-        else:
-            mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf)
+        mma_step_lean(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, buf, mg)
         cuda.syncthreads()                  # buffer buf is read before it is refilled
         if wn32 != w32:
             end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
@@ -956,13 +877,13 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         if tid < ROWS:                      # where each staged row starts (uint64 words)
             r = min(row0 + tid, rows - 1)           # a short last tile repeats a row
             rbase[tid] = _pair_row(r, rows_a, row_w0, row_w0_b, row_w)
-        mg = cuda.local.array(4, int32)     # lean: the magic C words, from shared memory once
-        if lean:
+        mg = cuda.local.array(4, int32)     # cpa: the magic C words, from shared memory once
+        if cpa:
             smg = cuda.shared.array(4, int32)
             if tid < 4:
                 smg[tid] = int32(_MAGIC)
         cuda.syncthreads()
-        if lean:
+        if cpa:
             for i in range(4):
                 mg[i] = smg[i]
         nsteps = nb // 8
@@ -970,74 +891,35 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         for e in range(NE):
             acc[e] = float32(0.0)
         # split pass w takes chunks w, w + S, ... (the dp4a kernel's round robin), U steps each
-        if vec:
-            abase = cuda.local.array(A_J, int64)
-            sa_o = cuda.local.array(A_J, uint32)
-            bbase = cuda.local.array(B_J, uint32)
-            sb_o = cuda.local.array(B_J, uint32)
+        if cpa:
+            abase = cuda.local.array(1, int64)      # the lane's first chunk (lean_bases)
+            sa_o = cuda.local.array(1, uint32)
+            bbase = cuda.local.array(1, uint32)
+            sb_o = cuda.local.array(1, uint32)
             dpos = cuda.local.array(2, uint32)
-            qa = cuda.local.array(A_W, uint64)
-            qb = cuda.local.array(B_W, uint64)
-            qd = cuda.local.array(1, float32)
-            if lean:
-                lean_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
-            else:
-                vec_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
+            lean_bases(rbase, warp, lane, tid, tok0, n_tok, nb, abase, sa_o, bbase, sb_o, dpos)
             nst = uint32(nsteps)
             nch = uint32(nchunks)
             w32 = uint32(0)
             c32 = uint32(0)
             u32 = uint32(0)
-            if lean:
-                issue_lean(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
-                           dpos, 0)
-            elif cpa:
-                issue_cpa(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
-                          dpos, 0)
-            if cpa:
-                cp_async_commit()
-                # two steps per trip, one per staging buffer: the buffer offsets are constants
-                while True:
-                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
-                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
-                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
-                                             w32, c32, u32, 0, mg)
-                    if w32 >= S:
-                        break
-                    w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
-                                             sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
-                                             tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
-                                             w32, c32, u32, 1, mg)
-                    if w32 >= S:
-                        break
-                return
-            load_vec(a64, xq64, xd, uint32(0), lane, tid, abase, bbase, dpos, qa, qb, qd)
-            while w32 < S:
-                wn32 = w32                          # the step after this one
-                cn32 = c32
-                un32 = uint32(u32 + 1)
-                if un32 == U or uint32(cn32 * U + un32) >= nst:
-                    un32 = uint32(0)
-                    cn32 = uint32(c32 + S)
-                    if cn32 >= nch:
-                        wn32 = uint32(w32 + 1)
-                        cn32 = wn32
-                cuda.syncthreads()                  # every warp is done with the last step
-                store_vec(sa, sb, sxd, lane, tid, sa_o, sb_o, dpos, qa, qb, qd)
-                cuda.syncthreads()
-                if prefetch and wn32 < S:           # in flight while the MMAs run
-                    load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
-                             qa, qb, qd)
-                mma_step(sa, sb, sxd, acc, gid, tig, g, q_word, sh, d_word, d_sh, 0)
-                if not prefetch and wn32 < S:
-                    cuda.syncthreads()
-                    load_vec(a64, xq64, xd, uint32(cn32 * U + un32), lane, tid, abase, bbase, dpos,
-                             qa, qb, qd)
-                if wn32 != w32:
-                    end_pass(acc, comb, warp, lane, out, out_ld, row0, tok0, gid, tig, rows, n_tok, w32)
-                w32 = wn32
-                c32 = cn32
-                u32 = un32
+            issue_lean(sa, sb, sxd, a64, xq64, xd, uint32(0), lane, tid, abase, sa_o, bbase, sb_o,
+                       dpos, 0)
+            cp_async_commit()
+            # two steps per trip, one per staging buffer: the buffer offsets are constants
+            while True:
+                w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                         sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                         tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                         w32, c32, u32, 0, mg)
+                if w32 >= S:
+                    break
+                w32, c32, u32 = cpa_step(sa, sb, sxd, a64, xq64, xd, lane, tid, abase, sa_o, bbase,
+                                         sb_o, dpos, acc, comb, warp, out, out_ld, row0, tok0, gid,
+                                         tig, rows, n_tok, g, q_word, sh, d_word, d_sh, nst, nch,
+                                         w32, c32, u32, 1, mg)
+                if w32 >= S:
+                    break
             return
         pa = cuda.local.array(A_PER, uint64)
         pb = cuda.local.array(B_PER, uint64)
@@ -1370,12 +1252,11 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
         # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
         R, T, regs, pf, mc = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH, _MMA_ST_MAGIC_C
-        # the 16-byte loads: weight rows and activation rows on 16-byte boundaries
-        aligned = (_MMA_ST_VEC or _MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
+        # the cp.async staging: weight rows and activation rows on 16-byte boundaries
+        cpa = bool(_MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
             xq.__cuda_array_interface__["data"][0] % 16 == 0)
-        vec, cpa = aligned and _MMA_ST_VEC, aligned and _MMA_ST_CPASYNC
-        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, vec, cpa),
-                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, vec, cpa))
+        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa),
+                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),

@@ -3,7 +3,7 @@ and the kernel knobs the A/B scripts set.
 
     from flash_engine import open_flash          (scripts run as `python3 scripts/NAME.py`)
     engine, ids = open_flash("/tmp/flash.gguf", n_ctx)
-    configs = knob_configs(["_F16_TILED=1", "_MMA_ST_MAGIC_C=1,_MMA_ST_CPASYNC=2"])
+    configs = knob_configs(["_F16_TILED=0", "_MMA_ST_MAGIC_C=0,_MMA_ST_CPASYNC=0"])
 """
 import os
 
@@ -45,9 +45,7 @@ def knob_configs(texts):
             module, attr = _knob_owner(name)
             if not hasattr(module, attr):
                 raise SystemExit(f"{module.__name__} has no {attr}")
-            current, v = getattr(module, attr), int(value)
-            # a bool knob may have more values than two (_MMA_ST_CPASYNC = 2): those stay ints
-            config[name] = type(current)(v) if not isinstance(current, bool) or v in (0, 1) else v
+            config[name] = type(getattr(module, attr))(int(value))
         configs.append(config)
     return configs
 

@@ -5,7 +5,7 @@ A knob is an attribute of ds4py.kernels.cuda, or ops.NAME of ds4py.kernels.cuda_
 
     python3 scripts/prefill_ab.py --knob _MMA_STAGED --values 0,1 --tokens 2048 --reps 2
     python3 scripts/prefill_ab.py --knob ops.ATTN_PREFILL_MMA --values 0,1
-    python3 scripts/prefill_ab.py --set "_MMA_ST_MAGIC_C=1,_MMA_ST_CPASYNC=2" --set "_F16_TILED=1"
+    python3 scripts/prefill_ab.py --set "_MMA_ST_MAGIC_C=0,_MMA_ST_CPASYNC=0" --set "_F16_TILED=0"
 
 --knob/--values times one knob at each value; --set (repeatable) times the defaults and then each
 configuration of NAME=INT,... items. A kernel compiled inside a timed prefill (one the

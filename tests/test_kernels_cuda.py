@@ -850,33 +850,32 @@ def test_f16_tiled_equals_f16_rows(monkeypatch, rows_a, rows_b, Kd, n_tok):
         assert np.array_equal(one.view(np.uint32), got[i].view(np.uint32)), f"token {i}"
 
 
-# ------------------------------------------- Q8_0 staged MMA: magic-C accumulator, 16-byte loads
+# ------------------------------------------- Q8_0 staged MMA: magic-C accumulator, cp.async staging
 
 # (rows, K, tokens, extra offset): the engine's prefill shapes at 512 tokens (q_b, out_b, q_a,
 # kv, shared expert), short row and token tiles, every split-K regime, short last chunks, an
-# 8-mod-16 weight offset (the 16-byte loads fall back to the 8-byte ones)
+# 8-mod-16 weight offset (the cp.async staging falls back to the 8-byte loads)
 STAGED_LEAN_CASES = [(32768, 1024, 512, 0), (4096, 8192, 512, 0), (1024, 4096, 512, 0),
                      (512, 4096, 512, 0), (2048, 4096, 512, 0), (4096, 2048, 512, 0),
                      (37, 4096, 37, 0), (2100, 1024, 40, 0), (8200, 256, 33, 0), (300, 8192, 45, 0),
                      (1500, 1280, 70, 0), (600, 2304, 50, 0), (70, 2048, 100, 8), (64, 256, 16, 0)]
-STAGED_LEAN_VARIANTS = [(True, False, False), (False, True, False), (True, True, False),
-                        (False, False, True), (True, False, True), (False, False, 2), (True, False, 2)]
-STAGED_DEFAULT = (True, False, 2)          # the engine's settings (magic C, lean cp.async): every case
-# the other variants (not the engine's) over a short row and token tile, split-K, a short last
-# chunk and the 8-mod-16 offset: each variant compiles its own kernel, and the device time is short
+STAGED_LEAN_VARIANTS = [(True, False), (False, True), (True, True)]    # (magic C, cp.async)
+STAGED_DEFAULT = (True, True)              # the engine's settings: every case
+# the other variants (the 8-byte loads with magic C, which unaligned launches take, and cp.async
+# without it) over a short row and token tile, split-K, a short last chunk and the 8-mod-16
+# offset (the fallback to the 8-byte loads): each variant compiles its own kernel
 STAGED_SOME_CASES = [(1024, 4096, 512, 0), (37, 4096, 37, 0), (8200, 256, 33, 0), (1500, 1280, 70, 0),
                      (70, 2048, 100, 8)]
 STAGED_LEAN_PARAMS = [case + STAGED_DEFAULT for case in STAGED_LEAN_CASES] + [
     case + variant for variant in STAGED_LEAN_VARIANTS if variant != STAGED_DEFAULT for case in STAGED_SOME_CASES]
 
 
-@pytest.mark.parametrize("rows,Kd,n_tok,extra,magic_c,vec,cpa", STAGED_LEAN_PARAMS,
-                         ids=[f"{p[0]}x{p[1]}x{p[2]}+{p[3]}-magic{int(p[4])}-vec{int(p[5])}-cpa{int(p[6])}"
+@pytest.mark.parametrize("rows,Kd,n_tok,extra,magic_c,cpa", STAGED_LEAN_PARAMS,
+                         ids=[f"{p[0]}x{p[1]}x{p[2]}+{p[3]}-magic{int(p[4])}-cpa{int(p[5])}"
                               for p in STAGED_LEAN_PARAMS])
-def test_q8_0_mma_staged_lean_same_bits(rows, Kd, n_tok, extra, magic_c, vec, cpa, monkeypatch):
-    """The staged kernel with the magic-bits accumulator (_MMA_ST_MAGIC_C), the 16-byte loads
-    (_MMA_ST_VEC) or the cp.async staging (_MMA_ST_CPASYNC) gives the current staged kernel's and
-    the dp4a kernel's bits."""
+def test_q8_0_mma_staged_lean_same_bits(rows, Kd, n_tok, extra, magic_c, cpa, monkeypatch):
+    """The staged kernel with the magic-bits accumulator (_MMA_ST_MAGIC_C) or the lean cp.async
+    staging (_MMA_ST_CPASYNC) gives the plain staged kernel's and the dp4a kernel's bits."""
     rng = _rng(90 + rows + n_tok)
     w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
     arena, (off,) = _arena([(w, extra)])
@@ -886,13 +885,11 @@ def test_q8_0_mma_staged_lean_same_bits(rows, Kd, n_tok, extra, magic_c, vec, cp
     xq, xd, _, _ = _prepare(F.Q8_0, X)
     want = cuda.device_array((n_tok, rows), np.float32)
     monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", False)
-    monkeypatch.setattr(K, "_MMA_ST_VEC", False)
     monkeypatch.setattr(K, "_MMA_ST_CPASYNC", False)
     K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, want, staged=True)
     dp4a = cuda.device_array((n_tok, rows), np.float32)
     K._launch_q8_0(arena, [(off, rows)], Kd, n_tok, xq, xd, dp4a, 0, mma=False)
     monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", magic_c)
-    monkeypatch.setattr(K, "_MMA_ST_VEC", vec)
     monkeypatch.setattr(K, "_MMA_ST_CPASYNC", cpa)
     out = cuda.device_array((n_tok, rows), np.float32)
     K.matmul_q8_0_mma(arena, off, rows, Kd, n_tok, xq, xd, out, staged=True)
@@ -914,9 +911,8 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
     X = rng.standard_normal((n_tok, Kd)).astype(np.float32)
     xq, xd, _, _ = _prepare(F.Q8_0, X)
     outs = []
-    for magic_c, vec, cpa in [(False, False, False), (True, True, False), (True, False, True), (True, False, 2)]:
+    for magic_c, cpa in [(False, False), (True, False), (True, True)]:
         monkeypatch.setattr(K, "_MMA_ST_MAGIC_C", magic_c)
-        monkeypatch.setattr(K, "_MMA_ST_VEC", vec)
         monkeypatch.setattr(K, "_MMA_ST_CPASYNC", cpa)
         out = cuda.device_array((n_tok, rows_a + rows_b), np.float32)
         K._launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], Kd, n_tok, xq, xd, out, 0,
