@@ -453,7 +453,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     out = cuda.device_array((n_tok, moe["n_embd"]), np.float32)
     table = np.array([[moe["og"] + e * moe["stride_gu"], moe["ou"] + e * moe["stride_gu"],
                        moe["od"] + e * moe["stride_d"]] for e in range(moe["n_exp"])], np.int64)
-    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN)
+    saved = (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN)
     d_table = cuda.to_device(table)
     d_ids = cuda.to_device(ids)
     try:
@@ -462,17 +462,14 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
             args = (moe["arena"].buf, d_table, moe["gate_type"], moe["down_type"], moe["n_embd"], moe["n_ff"],
                     X[:n], d_ids[:n], rw[:n], 10.0, out[:n])
             first_bits = None
-            # lean: the staged gate/up with the byte-permute decode (_GU_ST_LEAN)
-            for mma, gu, dn, st_gu, st_dn, lean, label in (
-                    (False, 1, 1, False, False, False, ""),
-                    (True, 2, 1, False, False, False, ", tc, 16-pair gate/up, 8-pair down tiles"),
-                    (True, 2, 2, False, False, False, ", tc, 16-pair gate/up and down tiles"),
-                    (True, 2, 2, True, False, False, ", tc, 16-pair tiles, staged gate/up"),
-                    (True, 2, 2, True, True, False, ", tc, 16-pair tiles, staged gate/up and down"),
-                    (True, 2, 2, True, True, True, ", tc, 16-pair tiles, staged, lean gate/up")):
+            for mma, gu, dn, st_gu, st_dn, label in (
+                    (False, 1, 1, False, False, ""),
+                    (True, 2, 1, False, False, ", tc, 16-pair gate/up, 8-pair down tiles"),
+                    (True, 2, 2, False, False, ", tc, 16-pair gate/up and down tiles"),
+                    (True, 2, 2, True, False, ", tc, 16-pair tiles, staged gate/up"),
+                    (True, 2, 2, True, True, ", tc, 16-pair tiles, staged gate/up and down")):
                 CK._MMA_HALVES_GU, CK._MMA_HALVES_DN = gu, dn
                 CK._MMA_STAGED_GU, CK._MMA_STAGED_DN = st_gu, st_dn
-                CK._GU_ST_LEAN = lean
                 ms = timer.time_eager(lambda s: CK.moe_prefill(*args, stream=s, mma=mma))
                 bits = out[:n].copy_to_host().view(np.uint32)
                 first_bits = bits if first_bits is None else first_bits
@@ -483,7 +480,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
                 log(f"  {r['name']:44s} {ms:8.3f} ms {r['tok_per_s']:10.0f} tok/s"
                     f"{'' if same else '  DIFFERENT BITS from the dp4a kernels'}")
     finally:
-        (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN, CK._GU_ST_LEAN) = saved
+        (CK._MMA_HALVES_GU, CK._MMA_HALVES_DN, CK._MMA_STAGED_GU, CK._MMA_STAGED_DN) = saved
     return res
 
 

@@ -32,9 +32,9 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
-                              imad, cp_async16, cp_async4, cp_async16_at, cp_async4_at, cp_async_commit,
-                              cp_async_wait1, iq2_permute, ld_half, ld_pair, ld_u64x2, masked_negate,
-                              mma_s8, mma_s8_acc, negate_bytes, pdl_enter, shr64_lo)
+                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
+                              iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
 
@@ -2316,7 +2316,7 @@ def _moe_gate_up_tiles_mma_kernel(NH):
 # The kernel above is instruction-bound (ncu, session 12: ~115 instructions per MMA): each lane
 # reads its rows' IQ2_XXS words as 16-bit loads with 64-bit addresses (the 4 lanes of a quad the
 # same words), each warp loads the tile's activations from global memory on its own, and the
-# sign bits go through negate_bytes. The staged kernel is the staged Q8_0 kernel's recipe:
+# sign bits go through negate_bytes. The staged kernel (below) is the staged Q8_0 kernel's recipe:
 #
 # * block = 8 warps over 64 rows of gate (warps 0-3) and the same 64 rows of up (warps 4-7), one
 #   tile of <= 8·NH pairs; a step is 2 super-blocks (132 bytes a row: 33 aligned 32-bit words,
@@ -2324,10 +2324,7 @@ def _moe_gate_up_tiles_mma_kernel(NH):
 # * the step's 128 weight rows and the tile's activations (2 x 256 bytes a pair) are loaded with
 #   coalesced loads into registers one step ahead, then stored into shared memory between two
 #   barriers: each activation word crosses L2 once per block instead of once per warp;
-# * a lane reads its two rows' aux words from shared memory at constant offsets (the first
-#   super-block of a step starts 2 bytes into a word: two funnel shifts);
-# * the sign table is staged as byte masks (8 bytes per entry), so a signed grid word is
-#   masked_negate(grid, mask): 3 instructions instead of negate_bytes' 5 and no nibble split.
+# * a lane reads its two rows' aux words from shared memory at constant offsets.
 #
 # f32 order (bit-identical to moe_decode and the kernel above): sum bank q = sb % 4 of each
 # (row, pair) accumulates fma(d_w·d_x, isum, acc) over its super-blocks in order; a step covers
@@ -2350,238 +2347,20 @@ def gate_up_staged_applies(n_embd):
     return n_embd % 512 == 0
 
 
-@_inline
-def _load_iq2_masks(grid_s, mask_s, grid_g, ks_g):
-    """The grid and the 128 sign patterns as 8-byte masks (0xFF where the weight is negated)."""
-    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
-        grid_s[i] = grid_g[i]
-    for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
-        s8 = int32(ks_g[i])
-        mask_s[i] = uint64(byte_mask(s8 & 15)) | (uint64(byte_mask(s8 >> 4)) << uint64(32))
-
-
-@_inline
-def _iq2_signed(grid_s, mask_s, aux0, aux1, sh8, sh7):
-    """_iq2_entry from the mask table, for the group at bit sh8 = 8l of aux0 and sh7 = 7l of
-    aux1 (plain shifts: a bfe at a position held in a register is three instructions)."""
-    gv = grid_s[_ix((aux0 >> sh8) & _M8)]
-    mv = mask_s[_ix((aux1 >> sh7) & np.uint32(0x7F))]
-    return (masked_negate(uint32(gv & _M32), uint32(mv & _M32)),
-            masked_negate(uint32(gv >> uint64(32)), uint32(mv >> uint64(32))))
-
-
-def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
-    """Prefill gate/up for IQ2_XXS experts, staged (see above): block (row group, tile) computes
-    mid for rows 64·x .. + 63 and the tile's <= 8·NH pairs; the same numbers as
-    _moe_gate_up_tiles_mma_kernel. Launch with 256 threads, grid ((n_ff + 63) // 64, tiles);
-    n_embd % 512 == 0, expert offsets multiples of 4."""
-    scale = float32(_FINAL_SCALE[F.IQ2_XXS])
-    TILE = 8 * NH
-    NB = 4 * NH                      # sums per lane per bank: (half, lo c0, lo c1, hi c0, hi c1)
-    NACC = 4 * NB                    # four banks
-    ROWS = 2 * _GU_ST_ROWS           # staged rows: gate rows, then up rows
-    WP = _GU_ST_WPAD
-    XP = _GU_ST_XPAD
-    RPW = ROWS // 8                  # weight rows a warp loads (word 32 of 16 of them in one more)
-    PPW = TILE // 8                  # pairs a warp loads (2 x 32 words each)
-    XCH = 4 * NB * WARP              # the up warps' results, for the gate warps
-    SW_N = ROWS * WP
-    SX_N = TILE * XP
-    SXD_N = 2 * TILE
-    PW_N = RPW + 1                   # registers of a step's loads
-    PX_N = 2 * PPW
-    assert ROWS == 128 and RPW == 16
-
-    @_inline
-    def load_step(a32, rbase, xq64, xd, s, tok_w, tok_d, words, nsb, warp, lane, tid, pw, px, pd):
-        """Step s into registers: warp w the words of rows w + 8i (lane l word l; word 32 of row
-        w + 8l for l < 16), the activation words of pairs w + 8i, thread t < 2·TILE the scale of
-        pair t >> 1, super-block 2s + (t & 1)."""
-        for i in range(RPW):
-            pw[i] = a32[_ix(rbase[_ix(warp + 8 * i)] + 33 * s + lane)]
-        if lane < RPW:
-            pw[RPW] = a32[_ix(rbase[_ix(warp + 8 * lane)] + 33 * s + 32)]
-        for i in range(PPW):
-            src = tok_w[i] * words + 64 * s + lane
-            px[2 * i] = xq64[_ix(src)]
-            px[2 * i + 1] = xq64[_ix(src + 32)]
-        if tid < 2 * TILE:
-            pd[0] = xd[_ix(tok_d * nsb + 2 * s + (tid & 1))]
-
-    @_inline
-    def store_step(sw, sx, sxd, warp, lane, tid, pw, px, pd):
-        for i in range(RPW):
-            sw[_ix((warp + 8 * i) * WP + lane)] = pw[i]
-        if lane < RPW:
-            sw[_ix((warp + 8 * lane) * WP + 32)] = pw[RPW]
-        for i in range(PPW):
-            o = (warp + 8 * i) * XP + lane
-            sx[_ix(o)] = px[2 * i]
-            sx[_ix(o + 32)] = px[2 * i + 1]
-        if tid < 2 * TILE:
-            sxd[_ix(tid)] = pd[0]
-
-    @_inline
-    def aux_words(sw, r, b, j):
-        """aux0, aux1 of group j of the step's super-block b in staged row offset r: block 0 starts
-        at byte 0 (its words 2 bytes into the 32-bit words), block 1 at byte 66 (aligned)."""
-        if b == 0:
-            w0 = sw[_ix(r + 2 * j)]
-            w1 = sw[_ix(r + 2 * j + 1)]
-            w2 = sw[_ix(r + 2 * j + 2)]
-            return funnel_r(w0, w1, 16), funnel_r(w1, w2, 16)
-        return sw[_ix(r + 17 + 2 * j)], sw[_ix(r + 18 + 2 * j)]
-
-    @_inline
-    def block_scale(sw, r, b):
-        if b == 0:
-            return f16_bits_to_f32(sw[_ix(r)] & _M16)
-        return f16_bits_to_f32(sw[_ix(r + 16)] >> uint32(16))
-
-    @_inline
-    def group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, j, bsum):
-        """The 32 weights j of super-block b: A fragments of the two rows, one MMA per half."""
-        aux0_lo, aux1_lo = aux_words(sw, r_lo, b, j)
-        aux0_hi, aux1_hi = aux_words(sw, r_hi, b, j)
-        # k order (Q8_0 section): lane tig takes the 8 weights of grid entry tig
-        a0, a2 = _iq2_signed(grid_s, mask_s, aux0_lo, aux1_lo, sh8, sh7)
-        a1, a3 = _iq2_signed(grid_s, mask_s, aux0_hi, aux1_hi, sh8, sh7)
-        ls_lo = imad(aux1_lo >> uint32(28), 2, 1)
-        ls_hi = imad(aux1_hi >> uint32(28), 2, 1)
-        for h in range(NH):
-            if h < halves:                     # warp-uniform
-                bx = sx[_ix(xo + h * 8 * XP + 32 * b + 4 * j)]
-                c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> uint64(32))
-                bsum[4 * h] = imad(c0, ls_lo, bsum[4 * h])
-                bsum[4 * h + 1] = imad(c1, ls_lo, bsum[4 * h + 1])
-                bsum[4 * h + 2] = imad(c2, ls_hi, bsum[4 * h + 2])
-                bsum[4 * h + 3] = imad(c3, ls_hi, bsum[4 * h + 3])
-
-    @_inline
-    def super_block(sw, sx, sxd, grid_s, mask_s, r_lo, r_hi, xo, tig, sh8, sh7, halves, b, acc, bsum):
-        """One super-block (b of the step) of the warp's 16 rows x the tile's pairs into bank b.
-        The 8 groups are spelled out: as a loop the compiler unrolled it by 2 only, and kept a
-        64-bit counter and the addresses in registers."""
-        for e in range(NB):
-            bsum[e] = int32(0)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 0, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 1, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 2, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 3, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 4, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 5, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 6, bsum)
-        group(sw, sx, grid_s, mask_s, r_lo, r_hi, xo, sh8, sh7, halves, b, 7, bsum)
-        dw_lo = block_scale(sw, r_lo, b)
-        dw_hi = block_scale(sw, r_hi, b)
-        for h in range(NH):
-            xd0 = sxd[_ix((8 * h + 2 * tig) * 2 + b)]
-            xd1 = sxd[_ix((8 * h + 2 * tig + 1) * 2 + b)]
-            e = NB * b + 4 * h
-            acc[e] = cuda.fma(dw_lo * xd0, float32(bsum[4 * h]), acc[e])
-            acc[e + 1] = cuda.fma(dw_lo * xd1, float32(bsum[4 * h + 1]), acc[e + 1])
-            acc[e + 2] = cuda.fma(dw_hi * xd0, float32(bsum[4 * h + 2]), acc[e + 2])
-            acc[e + 3] = cuda.fma(dw_hi * xd1, float32(bsum[4 * h + 3]), acc[e + 3])
-
-    jit = _jit_capped(max_regs)
-
-    @jit
-    def moe_gate_up_tiles_staged(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
-                                 route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
-        pdl_enter()
-        grid_s = cuda.shared.array(256, uint64)
-        mask_s = cuda.shared.array(128, uint64)
-        sw = cuda.shared.array(SW_N, uint32)
-        sx = cuda.shared.array(SX_N, uint64)
-        sxd = cuda.shared.array(SXD_N, float32)
-        rbase = cuda.shared.array(ROWS, int64)
-        xch = cuda.shared.array(XCH, float32)
-        tile = cuda.blockIdx.y
-        cnt = tile_cnt[tile]
-        if cnt <= 0:                                   # block-uniform
-            return
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
-        row0 = cuda.blockIdx.x * _GU_ST_ROWS
-        base = tile * TILE
-        _load_iq2_masks(grid_s, mask_s, grid_g, ks_g)
-        if tid < ROWS:                                 # staged row tid: matrix tid >> 6 (32-bit words)
-            r = min(row0 + (tid & (_GU_ST_ROWS - 1)), n_ff - 1)      # a short last group repeats a row
-            rbase[tid] = (tile_off[tile * 3 + (tid >> 6)] + r * rb) >> 2
-        tok_w = cuda.local.array(PPW, int64)           # the pairs this warp loads
-        for i in range(PPW):
-            tok_w[i] = tile_tok[base + min(warp + 8 * i, cnt - 1)]
-        tok_d = tile_tok[base + min(tid >> 1, cnt - 1)] if tid < 2 * TILE else 0
-        words = 32 * nsb                               # int64 words per token of xq
-        halves = (cnt + 7) >> 3                        # column halves holding pairs
-        m = warp >> 2                                  # gate (0) or up (1)
-        rt = warp & 3                                  # the warp's 16 rows of the 64
-        r_lo = uint32((64 * m + 16 * rt + gid) * WP)
-        r_hi = r_lo + uint32(8 * WP)
-        xo = uint32(gid * XP + tig)                    # pair gid's fragment word tig
-        sh8 = uint32(8 * tig)                          # the lane's grid entry in aux0, aux1
-        sh7 = uint32(7 * tig)
-        pw = cuda.local.array(PW_N, uint32)
-        px = cuda.local.array(PX_N, uint64)
-        pd = cuda.local.array(1, float32)
-        acc = cuda.local.array(NACC, float32)
-        for e in range(NACC):
-            acc[e] = float32(0.0)
-        bsum = cuda.local.array(NB, int32)
-        cuda.syncthreads()
-        nsteps = nsb >> 1
-        load_step(a32, rbase, xq64, xd, 0, tok_w, tok_d, words, nsb, warp, lane, tid, pw, px, pd)
-        for s in range(nsteps):
-            cuda.syncthreads()                         # every warp is done with the last step
-            store_step(sw, sx, sxd, warp, lane, tid, pw, px, pd)
-            cuda.syncthreads()
-            if s + 1 < nsteps:                         # in flight while the MMAs run
-                load_step(a32, rbase, xq64, xd, s + 1, tok_w, tok_d, words, nsb, warp, lane, tid, pw, px, pd)
-            super_block(sw, sx, sxd, grid_s, mask_s, r_lo, r_hi, xo, tig, sh8, sh7, halves, 0, acc, bsum)
-            super_block(sw, sx, sxd, grid_s, mask_s, r_lo, r_hi, xo, tig, sh8, sh7, halves, 1, acc, bsum)
-            for e in range(2 * NB):                    # banks 0, 1 <-> 2, 3 (the next step's q)
-                first = acc[e]
-                acc[e] = acc[2 * NB + e]
-                acc[2 * NB + e] = first
-        # the up warps hand their sums to the gate warps of the same rows
-        if m == 1:
-            for e in range(NB):
-                v = scale * ((acc[e] + acc[2 * NB + e]) + (acc[NB + e] + acc[3 * NB + e]))
-                xch[_ix((rt * NB + e) * WARP + lane)] = v
-        cuda.syncthreads()
-        if m == 0:
-            c32 = float32(clamp)
-            for h in range(NH):
-                for k in range(4):
-                    e = 4 * h + k
-                    row = row0 + 16 * rt + gid + 8 * (k >> 1)
-                    col = 8 * h + 2 * tig + (k & 1)
-                    if row < n_ff and col < cnt:
-                        g = scale * ((acc[e] + acc[2 * NB + e]) + (acc[NB + e] + acc[3 * NB + e]))
-                        u = xch[_ix((rt * NB + e) * WARP + lane)]
-                        pair = tile_tok[base + col] * n_used + tile_slot[base + col]
-                        mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
-
-    return moe_gate_up_tiles_staged
-
-
-# ---- gate/up prefill, staged, lean decode -----------------------------------------------------
 #
-# The staged kernel above with fewer instructions per MMA (SASS of its step loop, ptxas sm_90:
-# 1,086 instructions for 32 MMAs; by kind 328 IMAD, 193 LOP3, 181 LDS, 128 SHF, 74 LEA). Three
-# changes, none in the integer dots or the f32 side (the same A bytes, the same MMAs, the same
-# imad / fma sequence per output, so the same bits):
+# Its decode (the "lean" one; the first staged kernel, removed in session 16, took 1,086
+# SASS instructions for 32 MMAs in its step loop, by kind 328 IMAD, 193 LOP3, 181 LDS, 128 SHF, 74
+# LEA; this one 944), none of it in the integer dots or the f32 side (the same A bytes, the same
+# MMAs, the same imad / fma sequence per output as the first kernel, so the same bits):
 #
 # * the signed weights from byte-permute selectors (iq2_permute): the grid as 4-bit selectors of
 #   the bytes 8, 25, 43 (uint32 per entry) and the signs as selector bit 2 (uint32 per pattern),
-#   so an entry is 2 LDS.32 + 4 instructions instead of 2 LDS.64 + 6 (masked_negate twice), and
+#   so an entry is 2 LDS.32 + 4 instructions instead of 2 LDS.64 + 6 (the sign table as 8-byte
+#   masks, each word negated by (g ^ m) + (m & 0x01010101), the first kernel's), and
 #   the tables' loads are half the bytes (32 lanes' random entries: fewer bank wavefronts);
 # * the table offsets in 2 instructions (a rotate or 64-bit shift that lands the index at its
-#   byte offset, then one mask) instead of 3, and super-block 0 of a step (2 bytes into the
-#   words) without the funnel shifts: a lane's index field is taken from the two words by one
+#   byte offset, then one mask) instead of 3, and super-block 0 of a step (it starts 2 bytes
+#   into the words) without funnel shifts: a lane's index field is taken from the two words by one
 #   64-bit shift (shr64_lo), the scale from the third word;
 # * the step's weight loads from 32-bit row offsets in shared memory added to one 64-bit base per
 #   matrix and step, instead of 64-bit offsets per row (LDS.64, 64-bit add, LEA pair per row).
@@ -2590,16 +2369,14 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
 # lookups over more banks) were slower: H200, session 16, MoE prefill of 2,048 tokens, one copy
 # 5.29 ms, 2/4/8 copies 5.39/5.40/5.44 ms (removed).
 #
-# The default since session 16 (H200, 2,048-token prefill of the flash preset: 2,426 -> 2,581
-# tok/s with it; kbench MoE prefill 6.68 -> 5.29 ms against the staged kernel).
-
-_GU_ST_LEAN = True      # moe_prefill's staged gate/up: the lean kernel (same bits) where it applies
+# H200, session 16, 2,048-token prefill of the flash preset: 2,426 -> 2,581 tok/s against the
+# first staged kernel; kbench MoE prefill of 2,048 tokens 6.68 -> 5.29 ms.
 
 _SEL_TABLES = None
 
 
 def iq2_selector_tables():
-    """Host tables of the lean gate/up kernel: the IQ2_XXS grid as byte-permute selectors
+    """Host tables of the staged gate/up kernel: the IQ2_XXS grid as byte-permute selectors
     (uint32[256]: nibble k = 1, 2, 3 for the value 8, 25, 43 of weight k) and the 128 sign
     patterns as selector bit 2 (uint32[128]: nibble k = 4 where weight k is negated)."""
     code = np.zeros(256, np.uint32)
@@ -2620,10 +2397,11 @@ def _iq2_selector_tables_device():
     return _SEL_TABLES
 
 
-def _moe_gate_up_tiles_lean_kernel(NH, max_regs=_GU_ST_REGS):
-    """_moe_gate_up_tiles_staged_kernel (the same launch, the same numbers) with the lean decode
-    above; its last two arguments are the selector tables (iq2_selector_tables) instead of the
-    grid and sign tables."""
+def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
+    """IQ2_XXS gate/up of moe_prefill, staged (the recipe above): grid (row groups of _GU_ST_ROWS,
+    tiles), 256 threads; the launch of _moe_gate_up_tiles_mma_kernel with the selector tables
+    (iq2_selector_tables) as its last two arguments instead of the grid and sign tables, and the
+    same numbers."""
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
     TILE = 8 * NH
     NB = 4 * NH
@@ -2748,7 +2526,7 @@ def _moe_gate_up_tiles_lean_kernel(NH, max_regs=_GU_ST_REGS):
     jit = _jit_capped(max_regs)
 
     @jit
-    def moe_gate_up_tiles_lean(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
+    def moe_gate_up_tiles_staged(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
                                route_w, clamp, n_ff, rb, mid, gsel_g, ssel_g):
         pdl_enter()
         gsel_s = cuda.shared.array(256, uint32)
@@ -2845,7 +2623,7 @@ def _moe_gate_up_tiles_lean_kernel(NH, max_regs=_GU_ST_REGS):
                         pair = tile_tok[base + col] * n_used + tile_slot[base + col]
                         mid[_ix(pair * n_ff + row)] = _swiglu(g, u, c32, route_w[_ix(pair)])
 
-    return moe_gate_up_tiles_lean
+    return moe_gate_up_tiles_staged
 
 
 def _moe_down_tiles_mma_kernel(NH):
@@ -3677,18 +3455,12 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     a16, a32, _, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
     quantize_q8_k(X, xq, xd, xbs, s)
-    if mma_gu and _MMA_STAGED_GU and _GU_ST_LEAN and gate_up_staged_applies(n_embd):
-        NH = _MMA_HALVES_GU
-        gu = _cached(("moe_gu_tiles_lean", NH), lambda: _moe_gate_up_tiles_lean_kernel(NH))
-        gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](
-            a32, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w),
-            np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, *_iq2_selector_tables_device())
-    elif mma_gu and _MMA_STAGED_GU and gate_up_staged_applies(n_embd):
+    if mma_gu and _MMA_STAGED_GU and gate_up_staged_applies(n_embd):
         NH = _MMA_HALVES_GU
         gu = _cached(("moe_gu_tiles_staged", NH), lambda: _moe_gate_up_tiles_staged_kernel(NH))
         gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](
             a32, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w),
-            np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
+            np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, *_iq2_selector_tables_device())
     elif mma_gu:
         gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
         _tile_launch(gu, n_ff, gu_tiles, True, s)(

@@ -32,20 +32,14 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ld.global.nc.v4.f32; index a multiple of 4, the arrays 16-byte aligned, neither written by the
   kernel). The pointer is chosen before the load, so a kernel staging rows from either of two
   caches issues one unconditional load per 4 values.
-* ``ld_u64x2(a, base, off)``: the two 64-bit words (as uint64) at element base + off .. + 1 of the
-  C-contiguous uint64 or int64 array a in one 16-byte load through the read-only path (PTX ld.global.nc.v2.u64; base +
-  off even, the array 16-byte aligned, not written by the kernel). base (int64) and off (uint32)
-  are added as two steps of the address, so a loop-invariant base is hoisted as a pointer and
-  each load costs one 32-bit multiply-add (IMAD.WIDE.U32) for its address.
-* ``cp_async16(s, si, a, base, off)``, ``cp_async4(...)``: an asynchronous copy of the 16 (4)
-  bytes at element base + off of the global array a (C-contiguous, 8-byte / 4-byte elements) to
-  element si of the shared array s (PTX cp.async.cg / .ca; both addresses aligned to the size),
-  through no registers; ``cp_async_commit()`` closes the thread's group of copies,
+* ``cp_async16_at(s, si, sk, a, base, off)``, ``cp_async4_at(...)``: an asynchronous copy of the
+  16 (4) bytes at element base + off of the global array a (C-contiguous, 8-byte / 4-byte
+  elements) to element si + sk of the shared array s (PTX cp.async.cg / .ca; both addresses
+  aligned to the size), through no registers; sk is added after si's zero extension (a constant
+  sk folds into the copy's shared-address immediate: one register for all the copies of a lane,
+  not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
-* ``cp_async16_at(s, si, sk, a, base, off)``, ``cp_async4_at(...)``: cp_async16 / cp_async4 to
-  element si + sk of s, sk added after si's zero extension (a constant sk folds into the copy's
-  shared-address immediate: one register for all the copies of a lane, not one per copy).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
@@ -54,9 +48,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   multiply that moves bit k to bit 8k+7 and a sign-replicating byte permute.
 * ``byte_mask(nibble)``: 0xFF in byte k where bit k of nibble is set, else 0 (the multiply and
   permute of negate_bytes alone).
-* ``masked_negate(g, m)``: the bytes of g negated where the byte of m is 0xFF (m's bytes 0 or
-  0xFF, from byte_mask): (g ^ m) + (m & 0x01010101) in three 32-bit instructions. Exact for bytes
-  in 1..0x7F (IQ2_XXS grid values: no carry).
 * ``even_signs(bits7)``: IQ2_XXS's 8 sign bits from the 7 stored ones: bit 7 makes the count of
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
@@ -67,7 +58,7 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   (the low 4 weights, the high 4) from byte-permute selectors: gsel's nibble k is 1, 2, 3 for the
   grid value 8, 25, 43 of weight k, ssel's nibble k is 4 where weight k is negated; the OR of the
   two selects from the 8 bytes 0, 8, 25, 43 (pos, which must be 0x2B190800) and 0, -8, -25, -43
-  (two prmt.b32, an or and a shift: four instructions where two masked_negate take six). pos is
+  (two prmt.b32, an or and a shift: four instructions where negating by an 8-byte mask took six). pos is
   an operand so that the caller can hold it in a register: a prmt takes one immediate, and given
   two constants ptxas moved the other one from a uniform register before every prmt (SASS).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
@@ -193,12 +184,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def halves_hi(a, b):
         return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
 
-    def cp_async16(s, si, a, base, off):
-        raise NotImplementedError("cp.async: no simulator version")
-
-    def cp_async4(s, si, a, base, off):
-        raise NotImplementedError("cp.async: no simulator version")
-
     def cp_async16_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
 
@@ -218,10 +203,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def cp_async_wait1():
         return None
 
-    def ld_u64x2(a, base, off):
-        i = int(base) + int(off)
-        return np.uint64(a[i] & 0xFFFFFFFFFFFFFFFF), np.uint64(a[i + 1] & 0xFFFFFFFFFFFFFFFF)
-
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
         out = 0
@@ -234,10 +215,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def byte_mask(nibble):
         return np.uint32(sum(0xFF << (8 * k) for k in range(4) if (int(nibble) >> k) & 1))
-
-    def masked_negate(g, m):
-        g, m = int(g) & 0xFFFFFFFF, int(m) & 0xFFFFFFFF
-        return np.uint32(((g ^ m) + (m & 0x01010101)) & 0xFFFFFFFF)
 
     def even_signs(bits7):
         b = int(bits7) & 0x7F
@@ -411,56 +388,6 @@ else:
             return context.make_tuple(builder, signature.return_type, parts)
 
         return types.UniTuple(types.float32, 4)(a, b, pick_a, index), codegen
-
-    @intrinsic
-    def ld_u64x2(typingctx, a, base, off):
-        if not (isinstance(a, types.Array) and a.dtype in (types.uint64, types.int64) and a.layout == "C"
-                and isinstance(base, types.Integer) and isinstance(off, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            b = context.cast(builder, args[1], signature.args[1], types.int64)
-            o = context.cast(builder, args[2], signature.args[2], types.uint32)
-            o = builder.zext(o, ir.IntType(64))
-            ptr = builder.gep(builder.gep(ary.data, [b]), [o])
-            addr = builder.ptrtoint(ptr, ir.IntType(64))
-            u64 = ir.IntType(64)
-            fnty = ir.FunctionType(ir.LiteralStructType([u64] * 2), [u64])
-            asm = "{ .reg .u64 g; cvta.to.global.u64 g, $2; ld.global.nc.v2.u64 {$0, $1}, [g]; }"
-            res = builder.call(ir.InlineAsm(fnty, asm, "=l,=l,l"), [addr])
-            parts = [builder.extract_value(res, i) for i in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
-
-        return types.UniTuple(types.uint64, 2)(a, base, off), codegen
-
-    def _cp_async(nbytes, kind):
-        def typer(typingctx, s, si, a, base, off):
-            if not (isinstance(s, types.Array) and isinstance(a, types.Array) and a.layout == "C"
-                    and all(isinstance(t, types.Integer) for t in (si, base, off))):
-                return None
-
-            def codegen(context, builder, signature, args):
-                sary = context.make_array(signature.args[0])(context, builder, args[0])
-                gary = context.make_array(signature.args[2])(context, builder, args[2])
-                si_ = context.cast(builder, args[1], signature.args[1], types.uint32)
-                sptr = builder.gep(sary.data, [builder.zext(si_, ir.IntType(64))])
-                b = context.cast(builder, args[3], signature.args[3], types.int64)
-                o = builder.zext(context.cast(builder, args[4], signature.args[4], types.uint32), ir.IntType(64))
-                gptr = builder.gep(builder.gep(gary.data, [b]), [o])
-                u64 = ir.IntType(64)
-                fnty = ir.FunctionType(ir.VoidType(), [u64, u64])
-                asm = ("{ .reg .u64 s, g; .reg .u32 s32; cvta.to.shared.u64 s, $0; cvt.u32.u64 s32, s; "
-                       f"cvta.to.global.u64 g, $1; cp.async.{kind}.shared.global [s32], [g], {nbytes}; }}")
-                builder.call(ir.InlineAsm(fnty, asm, "l,l,~{memory}", side_effect=True),
-                             [builder.ptrtoint(sptr, u64), builder.ptrtoint(gptr, u64)])
-                return context.get_dummy_value()
-
-            return types.void(s, si, a, base, off), codegen
-        return intrinsic(typer)
-
-    cp_async16 = _cp_async(16, "cg")
-    cp_async4 = _cp_async(4, "ca")
 
     def _cp_async_at(nbytes, kind):
         def typer(typingctx, s, si, sk, a, base, off):
@@ -636,9 +563,6 @@ else:
         typer.__name__ = name
         return intrinsic(typer)
 
-    masked_negate = _binary_asm("masked_negate", types.uint32,
-                                "{ .reg .b32 t, o; xor.b32 o, $1, $2; and.b32 t, $2, 0x01010101; "
-                                "add.u32 $0, o, t; }")
     halves_lo = _binary_asm("halves_lo", types.uint32, "prmt.b32 $0, $1, $2, 0x5410;")
     halves_hi = _binary_asm("halves_hi", types.uint32, "prmt.b32 $0, $1, $2, 0x7632;")
     byte_mask = _unary_asm("byte_mask", types.uint32,

@@ -141,10 +141,8 @@ quant = {
                                    gu_mma),
  "moe_gate_up_tiles_mma IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_mma_kernel(2),
                                    gu_mma),
+ # the staged gate/up (the byte-permute decode)
  "moe_gate_up_tiles_staged IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_staged_kernel(2),
-                                                      (u32a,) + gu_mma[1:]),
- # _GU_ST_LEAN: the byte-permute decode
- "moe_gate_up_tiles_lean IQ2_XXS (16-pair tiles)": (lambda: qk._moe_gate_up_tiles_lean_kernel(2),
                                                     (u32a,) + gu_mma[1:-2] + (u32a, u32a), qk._GU_ST_REGS),
  "moe_down_tiles_mma Q2_K (8-pair tiles)": (lambda: qk._moe_down_tiles_mma_kernel(1),
                                             dn_mma),

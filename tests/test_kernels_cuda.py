@@ -428,17 +428,14 @@ def gate_up_kernel(request):
 
 
 @pytest.mark.parametrize("grouping", ["host", "device"])
-@pytest.mark.parametrize("mma,staged_gu,staged_dn,gu_lean",
-                         [(False, False, False, False), (True, False, False, False),
-                          (True, True, False, False), (True, True, True, False), (True, True, True, True)],
-                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged", "lean-gate-up"])
-def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, gu_lean, grouping, monkeypatch):
+@pytest.mark.parametrize("mma,staged_gu,staged_dn",
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+                         ids=["dp4a", "tensor-cores", "staged-gate-up", "staged"])
+def test_moe_prefill_tokens_equal_decode(experts, mma, staged_gu, staged_dn, grouping, monkeypatch):
     """Every token of moe_prefill equals moe_decode bit for bit; with the tensor cores, gate/up and
-    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN), gate/up also by the
-    lean staged kernel (_GU_ST_LEAN, the default)."""
+    down by the direct or the staged kernels (_MMA_STAGED_GU, _MMA_STAGED_DN)."""
     monkeypatch.setattr(K, "_MMA_STAGED_GU", staged_gu)
     monkeypatch.setattr(K, "_MMA_STAGED_DN", staged_dn)
-    monkeypatch.setattr(K, "_GU_ST_LEAN", gu_lean)
     rng = _rng(7)
     n_tok = 19
     X = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
@@ -486,13 +483,16 @@ def _assert_tokens_equal_decode(out, arena, table, X, ids, rw, n_ff):
         assert np.array_equal(out[t], y.copy_to_host()), f"token {t}"
 
 
-@pytest.mark.parametrize("n_embd,n_ff", [(1536, 512), (2048, 256)])
-def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff):
-    """The staged gate/up kernel against the tensor-core tile kernel, bit for bit, on shapes whose
-    step count is odd (1536: 3 steps of 2 super-blocks, the sum banks end swapped) and even, with
-    tiles of 1 to 16 pairs; and against moe_decode for every token."""
-    n_tok = 23                                 # 23 pairs of expert 2: tiles of 16 and 7
+@pytest.mark.parametrize("n_embd,n_ff,n_tok", [(1536, 512, 23), (2048, 256, 23), (1024, 768, 37),
+                                               (4096, 2048, 61)])
+def test_moe_gate_up_staged_equals_tiles_mma(n_embd, n_ff, n_tok):
+    """The staged gate/up kernel (byte-permute decode) against the tensor-core tile kernel, bit
+    for bit (uint32 views of moe_prefill's output), on shapes whose step count is odd (1536: 3
+    steps of 2 super-blocks, the sum banks end swapped) and even (1024: 2), the flash shape (4096
+    -> 2048), tiles of 1 to 16 pairs (23 pairs of expert 2: tiles of 16 and 7); and against
+    moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
     arena, table, X, ids, rw = _moe_prefill_case(_rng(13), n_embd, n_ff, n_tok)
+    ids[: n_tok // 3, 1] = 5
     outs = []
     saved = K._MMA_STAGED_GU
     try:
@@ -920,28 +920,3 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
         outs.append(out.copy_to_host())
     for o in outs[1:]:
         assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
-
-
-# ---- the lean staged gate/up kernel (_GU_ST_LEAN) ----------------------------------------------
-
-@pytest.mark.parametrize("n_embd,n_ff,n_tok", [(1536, 512, 23), (2048, 256, 23), (1024, 768, 37),
-                                               (4096, 2048, 61)])
-def test_moe_gate_up_lean_equals_staged(n_embd, n_ff, n_tok):
-    """The lean gate/up kernel (byte-permute decode) against the staged kernel it replaces, bit for
-    bit (uint32 views of moe_prefill's output): odd and even step counts (1536: 3 steps; 1024: 2),
-    tiles of 1 to 16 pairs, the flash shape (4096 -> 2048); and against moe_decode for every token. (No short row group: the Q2_K down needs n_ff % 256 == 0.)"""
-    arena, table, X, ids, rw = _moe_prefill_case(_rng(17), n_embd, n_ff, n_tok)
-    ids[: n_tok // 3, 1] = 5
-    outs = []
-    saved = (K._MMA_STAGED_GU, K._GU_ST_LEAN)
-    try:
-        for lean in (False, True):
-            K._MMA_STAGED_GU, K._GU_ST_LEAN = True, lean
-            out = cuda.device_array((n_tok, n_embd), np.float32)
-            K.moe_prefill(arena, table, F.IQ2_XXS, F.Q2_K, n_embd, n_ff, cuda.to_device(X), ids,
-                          cuda.to_device(rw), 10.0, out, mma=True)
-            outs.append(out.copy_to_host())
-    finally:
-        K._MMA_STAGED_GU, K._GU_ST_LEAN = saved
-    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
-    _assert_tokens_equal_decode(outs[1], arena, table, X, ids, rw, n_ff)
