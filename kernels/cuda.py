@@ -2349,8 +2349,9 @@ def gate_up_staged_applies(n_embd):
 
 # The staged kernel's decode (the "lean" one; the first staged kernel, removed in session 16, took
 # 1,086 SASS instructions for 32 MMAs in its step loop, by kind 328 IMAD, 193 LOP3, 181 LDS,
-# 128 SHF, 74 LEA; this one 944), none of it in the integer dots or the f32 side (the same A bytes, the same
-# MMAs, the same imad / fma sequence per output as the first kernel, so the same bits):
+# 128 SHF, 74 LEA; this one 944), none of it in the integer dots or the f32 side (the same A
+# bytes, the same MMAs, the same imad / fma sequence per output as the first kernel, so the same
+# bits):
 #
 # * the signed weights from byte-permute selectors (iq2_permute): the grid as 4-bit selectors of
 #   the bytes 8, 25, 43 (uint32 per entry) and the signs as selector bit 2 (uint32 per pattern),
