@@ -97,15 +97,17 @@ quant = {
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
- "q8_0_rows_mma_staged (prefill, split-K 4)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U),
+ # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then
+ # the engine's settings (magic C and the lean cp.async staging)
+ "q8_0_rows_mma_staged (prefill, split-K 4)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=False, cpa=False),
                                                (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # _MMA_ST_MAGIC_C (cap _MMA_ST_REGS as the launch builds it)
- "q8_0_rows_mma_staged (prefill, split-K 4, cap)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U),
+ "q8_0_rows_mma_staged (prefill, split-K 4, cap)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=False, cpa=False),
                                                     (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
- "q8_0_rows_mma_staged (prefill, split-K 4, magic C)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True),
+ "q8_0_rows_mma_staged (prefill, split-K 4, magic C)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=False),
                                                         (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  # _MMA_ST_CPASYNC: the lean cp.async staging (cap 128: no spills)
- "q8_0_rows_mma_staged (prefill, split-K 4, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, cpa=True),
+ "q8_0_rows_mma_staged (prefill, split-K 4, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=False, cpa=True),
                                                              (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=True),
                                                                        (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
