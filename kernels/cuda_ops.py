@@ -30,8 +30,8 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc,
-                                           mul_rn, pack_f16x2, pdl_enter, split_f16x2)
+from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc, mul_rn,
+                                           pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -393,19 +393,31 @@ HC_W8 = 8 * HC_MIX_VALS                # weight values of 8 mixer rows per threa
 assert HC_MIX_MAX % 8 == 0 and HC_GRAM % 8 == 0
 
 
-@forceinline
-def mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram, n_hc,
-                     n_rows, nthr, dots, sums64, tree64, tree32):
-    """hc_mix_tokens' work for block (chunk, token group) with n_hc streams, n_rows mixer rows
-    and nthr threads (constants where the kernel passes them)."""
+@cuda.jit(cache=True)
+def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
+    """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
+    partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
+    one pass over their state slices, with one barrier for all of them. hc_mix_partial's grid of
+    (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token prefill (1.8 ms per
+    launch, ncu on the H200); one block per (chunk, token) was still 0.36 ms per launch (each mixer
+    row waited for its weight loads from L2, per token): a weight value now serves HC_TOKENS
+    tokens, whose warp sums are independent. The same per-thread order and block_sum's
+    warp-then-warp-order sums, so the partials equal hc_mix_partial's bit for bit (decode keeps
+    that kernel: one token needs its wider grid). Launch grid (chunks, ceil(T / HC_TOKENS))."""
+    pdl_enter()
     chunk = cuda.blockIdx.x
     t0 = cuda.blockIdx.y * HC_TOKENS
     tid = cuda.threadIdx.x
-    n_tok = state.shape[0]
-    n_embd = state.shape[2]
+    nthr = cuda.blockDim.x
+    n_tok, n_hc, n_embd = state.shape
+    n_rows = part_dot.shape[1]
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
+    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
+    sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
+    tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
+    tree32 = cuda.shared.array(BLOCK, float32)
     # the thread's state values (j = tid, tid + nthr, ...: the order of its sums), read once for
     # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row.
     # A group past the last token repeats it (its partials are not written).
@@ -472,29 +484,6 @@ def mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq
                 part_gram[t, tid - n_rows, chunk] = sum_warps(sums64, tt * HC_SUMS + tid - n_rows)
             elif tid == n_rows + n_pairs:
                 part_sq[t, chunk] = sum_warps(sums64, tt * HC_SUMS + HC_GRAM)
-
-
-@cuda.jit(cache=True)
-def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
-    """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
-    partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
-    one pass over their state slices, with one barrier for all of them. hc_mix_partial's grid of
-    (rows + n_hc²) x chunks x tokens small blocks was 18 % of a 512-token prefill (1.8 ms per
-    launch, ncu on the H200); one block per (chunk, token) was still 0.36 ms per launch (each mixer
-    row waited for its weight loads from L2, per token): a weight value now serves HC_TOKENS
-    tokens, whose warp sums are independent. The same per-thread order and block_sum's
-    warp-then-warp-order sums, so the partials equal hc_mix_partial's bit for bit (decode keeps
-    that kernel: one token needs its wider grid). Launch grid (chunks, ceil(T / HC_TOKENS))."""
-    pdl_enter()
-    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
-    sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
-    tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
-    tree32 = cuda.shared.array(BLOCK, float32)
-    n_hc = state.shape[1]
-    n_rows = part_dot.shape[1]
-    nthr = cuda.blockDim.x
-    mix_tokens_block(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram,
-                     n_hc, n_rows, nthr, dots, sums64, tree64, tree32)
 
 
 @cuda.jit(cache=True)
