@@ -18,7 +18,6 @@ CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "promessi_spo
 ITALIAN_SLICES = json.loads((Path(__file__).parent / "data" / "italian_slices.json").read_text(encoding="utf-8"))
 
 
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """DS4PY_TEST_SHARD=i/n keeps every n-th selected test from the i-th (0-based): the device runs
@@ -32,6 +31,7 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
