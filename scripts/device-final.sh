@@ -5,7 +5,8 @@
 # (scripts/decode_ab.py, knob sets separated by ';'), PREFILL_AB (scripts/prefill_ab.py, the same),
 # KBENCH_PARTS (scripts/bench_kernels.py
 # parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
-# the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk).
+# the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk after each of
+# PROFILE_PROMPTS tokens, default 1535).
 # A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1;
 # SKIP_TESTS=1: no tests.
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
@@ -62,9 +63,12 @@ if [ -n "${BENCH_LIKE:-}" ] && [ "$(left)" -gt 40 ]; then
 fi
 if [ -n "${PROFILE_CHUNK:-}" ] && [ "$(left)" -gt 60 ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  timeout $(budget ${PROFILE_S:-150}) $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
-    python3 scripts/profile_step.py --prompt 1535 --prefill 512 > $OUT/ncu_prefill.csv 2>/dev/null
-  python3 scripts/profile_step.py --summarize $OUT/ncu_prefill.csv > $OUT/prefill_kernels.txt
-  head -14 $OUT/prefill_kernels.txt
+  for prompt in ${PROFILE_PROMPTS:-1535}; do     # the chunk's first position: 512 tokens ending at prompt+511
+    [ "$(left)" -gt 60 ] || break
+    timeout $(budget ${PROFILE_S:-150}) $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      python3 scripts/profile_step.py --prompt $prompt --prefill 512 > $OUT/ncu_prefill_$prompt.csv 2>/dev/null
+    python3 scripts/profile_step.py --summarize $OUT/ncu_prefill_$prompt.csv > $OUT/prefill_kernels_$prompt.txt
+    echo "== chunk after $prompt tokens"; head -14 $OUT/prefill_kernels_$prompt.txt
+  done
 fi
 echo "device-final: $(( $(date +%s) - T0 )) s"
