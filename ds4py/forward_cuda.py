@@ -929,19 +929,22 @@ class CudaEngine:
         """Compile and capture before anything is timed. Numba compiles a kernel at its first
         launch, so a benchmark's first prefill, and its first chunk past position 4·idx_topk
         (where the indexer starts selecting: other kernels), would include compile time. Runs a
-        throwaway chunk at position 0 and, when the context allows, one past that threshold, then
-        one decode step (graph capture), and puts the state back. Resident experts only: with an
-        expert cache the throwaway chunks would fetch experts and move its counters."""
+        throwaway chunk of a whole prefill_chunk at position 0 (the first chunk of that size also
+        grows the MoE scratch and fills the launch memo for its views: 0.2-0.3 s of host time
+        that the first timed prefill paid after a short warm-up, session 16/17 on the H200), and,
+        when the context allows, a short one past that threshold, then one decode step (graph
+        capture), and puts the state back. Resident experts only: with an expert cache the
+        throwaway chunks would fetch experts and move its counters."""
         if not self.experts_resident or not self.use_graphs or self.n_ctx <= self.WARM_TOKENS:
             return
         saved = self.snapshot()
-        starts = [0]
+        chunks = [(0, min(self.prefill_chunk, self.n_ctx - 1))]
         past_threshold = 4 * self.spec.idx_topk + 4
         if past_threshold + self.WARM_TOKENS + 1 <= self.n_ctx:
-            starts.append(past_threshold)
-        for pos0 in starts:
+            chunks.append((past_threshold, self.WARM_TOKENS))
+        for pos0, n_tokens in chunks:
             self._n_past = pos0
-            self.prefill_batched([0] * self.WARM_TOKENS)
+            self.prefill_batched([0] * n_tokens)
         self.decode(0)
         self.restore(saved)
 
