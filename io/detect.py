@@ -390,8 +390,13 @@ def scratch_bytes(spec, prefill_chunk: int = PREFILL_CHUNK, n_ctx: int | None = 
 
     Per token: the HC residual streams in and out (2 · n_hc · n_embd), the attention queries and
     output (2 · n_head · head_dim), the low-rank projections (q_lora + n_group · o_lora), the routed
-    and shared FFN intermediates ((n_used + 1) · 2 · n_ff), plus one f32 logits row per sequence."""
+    and shared FFN intermediates ((n_used + 1) · 2 · n_ff), the indexer's scores over every
+    compressed row (n_ctx / 4), plus one f32 logits row per sequence. (Flash shapes, 32k context:
+    the engine allocates ~1.85 GiB for its default 2,048-token chunk; this budgets ds4's 4,096
+    tokens, 2.2 GiB, plus the overhead.)"""
     tokens = min(prefill_chunk, n_ctx) if n_ctx else prefill_chunk
+    score_rows = n_ctx // 4 + 2 if n_ctx else 0
     per_token = (2 * spec.n_hc * spec.n_embd + 2 * spec.n_head * spec.head_dim + spec.q_lora
-                 + spec.n_group * spec.o_lora + (spec.n_used + spec.n_shared) * 2 * spec.n_ff) * 4
+                 + spec.n_group * spec.o_lora + (spec.n_used + spec.n_shared) * 2 * spec.n_ff
+                 + score_rows) * 4
     return CONTEXT_OVERHEAD + tokens * per_token + 2 * spec.n_vocab * 4
