@@ -43,8 +43,8 @@ DEFAULT_CTX = 32768                 # ds4's -c/--ctx default; KV is 0.44 GiB the
 MAX_CTX = 1 << 20                   # DeepSeek-V4's 1M-token context
 COPY_CHUNK_MB_RANGE = (16, 4096)    # ds4's clamp for DS4_CUDA_MODEL_COPY_CHUNK_MB
 DEFAULT_PREFILL_CHUNK = 2048        # tokens per GPU prefill chunk (ds4: 4096). H200, session 17: 2,775 tok/s at 2k
-                                    # against 1,651 with 512, whose ~1,600 launches per chunk took the host
-                                    # longer to enqueue (~310 ms) than the GPU to run (205 ms)
+                                    # against 1,651 with 512, whose chunks (~1,850 eager launches) took
+                                    # ~310 ms for 205 ms of kernels: the host's enqueue bound them
 MAX_PREFILL_CHUNK = 4096            # ds4's default, the chunk io/detect.py budgets VRAM scratch for
 
 

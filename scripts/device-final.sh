@@ -63,7 +63,7 @@ if [ -n "${BENCH_LIKE:-}" ] && [ "$(left)" -gt 40 ]; then
 fi
 if [ -n "${PROFILE_CHUNK:-}" ] && [ "$(left)" -gt 60 ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  for prompt in ${PROFILE_PROMPTS:-1535}; do     # the chunk's first position: 512 tokens ending at prompt+511
+  for prompt in ${PROFILE_PROMPTS:-1535}; do     # 512 tokens from position prompt+1 (after the prompt and one decoded token)
     [ "$(left)" -gt 60 ] || break
     timeout $(budget ${PROFILE_S:-150}) $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
       python3 scripts/profile_step.py --prompt $prompt --prefill 512 > $OUT/ncu_prefill_$prompt.csv 2>/dev/null

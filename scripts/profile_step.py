@@ -22,7 +22,7 @@ def run(model_path: str, n_prompt: int, n_prefill: int = 0) -> None:
     from flash_engine import open_flash
 
     n_ctx = max(4096, n_prompt + n_prefill + 64)
-    engine, ids = open_flash(model_path, n_ctx, corpus_chars=max(20_000, 5 * n_ctx))   # ~3.5 chars a token
+    engine, ids = open_flash(model_path, n_ctx, corpus_chars=max(20_000, 5 * n_ctx))   # the corpus: ~3.2 chars a token
     engine.prefill(ids[:n_prompt])
     engine.decode_greedy(ids[n_prompt])           # graph captured and warm
     cuda.synchronize()
