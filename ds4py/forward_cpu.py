@@ -128,8 +128,8 @@ class LayerCache:
     def __init__(self, spec, il: int, n_ctx: int):
         r = spec.ratio(il)
         self.raw = np.zeros((min(spec.n_swa, n_ctx), spec.head_dim), dtype=np.float32)
-        self.attn = CompressorLane(r, spec.head_dim, n_ctx // r + 2) if r else None
-        self.index = CompressorLane(4, spec.idx_dim, n_ctx // 4 + 2) if r == 4 else None
+        self.attn = CompressorLane(r, spec.head_dim, spec.compressed_rows(n_ctx, r)) if r else None
+        self.index = CompressorLane(4, spec.idx_dim, spec.compressed_rows(n_ctx, 4)) if r == 4 else None
         self.no_rows = np.zeros((0, spec.head_dim), dtype=np.float32)
 
 

@@ -66,11 +66,11 @@ class LayerState:
         self.icomp = self.ikv_state = self.iscore_state = None
         if r:
             coff = 2 if r == 4 else 1
-            self.comp = cuda.device_array((n_ctx // r + 2, spec.head_dim), np.float32)
+            self.comp = cuda.device_array((spec.compressed_rows(n_ctx, r), spec.head_dim), np.float32)
             self.kv_state = cuda.device_array((coff * r, coff * spec.head_dim), np.float32)
             self.score_state = cuda.device_array((coff * r, coff * spec.head_dim), np.float32)
         if r == 4:
-            self.icomp = cuda.device_array((n_ctx // 4 + 2, spec.idx_dim), np.float32)
+            self.icomp = cuda.device_array((spec.compressed_rows(n_ctx, 4), spec.idx_dim), np.float32)
             self.ikv_state = cuda.device_array((8, 2 * spec.idx_dim), np.float32)
             self.iscore_state = cuda.device_array((8, 2 * spec.idx_dim), np.float32)
 
@@ -244,7 +244,7 @@ class CudaEngine:
         # the raw ring holds the window plus a whole chunk: a chunk's KV rows are all written before
         # its attention runs, and none may overwrite a row an earlier token of the chunk still reads
         self.layers = [LayerState(s, il, n_ctx, s.n_swa + self.prefill_chunk) for il in range(s.n_layer)]
-        self.max_rows = n_ctx // 4 + 2
+        self.max_rows = s.compressed_rows(n_ctx, 4)
         self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS)
         self.buf = self.scratch.view(1)
         self._prefill_scratch = None        # allocated by the first batched prefill
@@ -258,8 +258,10 @@ class CudaEngine:
         self._expert_tables_dev = {}
         self._n_past = 0
         self._forbid = -1
-        self._token_slots = None            # pinned read-back slots of decode_greedy_run
-        self._token_events = None
+        # pinned read-back slots of decode_greedy_run (graphs only), allocated here: made on its
+        # first call they cost the bench's first frontier ~5 ms of gen_first_ms (session 17)
+        self._token_slots = cuda.pinned_array(2, np.int32) if self.use_graphs else None
+        self._token_events = [cuda.event(timing=False) for _ in range(2)] if self.use_graphs else None
         self.skip: set[str] = set()
         self._graphs = None
         self.reset()
@@ -849,9 +851,6 @@ class CudaEngine:
         if forbid != self._forbid:
             self.buf.forbid.copy_to_device(np.array([forbid], np.int32), stream=self.stream)
             self._forbid = forbid
-        if self._token_slots is None:
-            self._token_slots = cuda.pinned_array(2, np.int32)
-            self._token_events = [cuda.event(timing=False) for _ in range(2)]
         slots, events = self._token_slots, self._token_events
 
         def read_back(k):          # step k's pick into pinned slot k % 2, in stream order

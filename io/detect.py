@@ -395,7 +395,7 @@ def scratch_bytes(spec, prefill_chunk: int = PREFILL_CHUNK, n_ctx: int | None = 
     the engine allocates ~1.85 GiB for its default 2,048-token chunk; this budgets ds4's 4,096
     tokens, 2.2 GiB, plus the overhead.)"""
     tokens = min(prefill_chunk, n_ctx) if n_ctx else prefill_chunk
-    score_rows = n_ctx // 4 + 2 if n_ctx else 0
+    score_rows = spec.compressed_rows(n_ctx, 4) if n_ctx else 0
     per_token = (2 * spec.n_hc * spec.n_embd + 2 * spec.n_head * spec.head_dim + spec.q_lora
                  + spec.n_group * spec.o_lora + (spec.n_used + spec.n_shared) * 2 * spec.n_ff
                  + score_rows) * 4

@@ -129,6 +129,13 @@ class ModelSpec:
         """Rows of an HC mixer: n_hc pre + n_hc post + n_hc² comb."""
         return (2 + self.n_hc) * self.n_hc
 
+    @staticmethod
+    def compressed_rows(n_ctx: int, ratio: int) -> int:
+        """Rows a compressed cache of this ratio holds at a context of n_ctx tokens (one per
+        `ratio` tokens, plus two of slack for a pending window); at ratio 4 also the length of
+        the indexer's score row of a token."""
+        return n_ctx // ratio + 2
+
     def kv_bytes_per_token(self) -> int:
         """Steady-state compressed-cache growth in f32 (ds4-model.md §8, general form)."""
         n_r4 = sum(1 for r in self.compress_ratios if r == 4)
@@ -143,9 +150,9 @@ class ModelSpec:
         comp = 0
         for r in self.compress_ratios:
             if r:
-                comp += (n_ctx // r + 2) * self.head_dim * 4
+                comp += self.compressed_rows(n_ctx, r) * self.head_dim * 4
             if r == 4:
-                comp += (n_ctx // 4 + 2) * self.idx_dim * 4
+                comp += self.compressed_rows(n_ctx, 4) * self.idx_dim * 4
         return raw + comp
 
     def ds4_differences(self) -> list[str]:
