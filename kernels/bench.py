@@ -495,7 +495,8 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     cuda = _cuda()
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
-             "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS")
+             "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
+             "_IQ2_PERM_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
@@ -514,6 +515,12 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                  (4, 6, 0, True, True, 4, 64, True, 2, 6), (4, 6, 0, True, True, 4, 64, True, 1, 8),
                  (4, 4, 0, True, True, 4, 64, True, 0, 0),
                  (4, 8, 0, False, True, 4, 64, True, 1, 8)]   # x staged, chunks of 1: 56 registers, 4 blocks
+    variants = [v + (False,) for v in variants]
+    # first (so that a time limit still leaves them): the defaults of session 15, then the same
+    # with the byte-permute IQ2_XXS weights (_IQ2_PERM_GATE_UP; ptxas sm_90: 80 registers, 2,368
+    # SASS instructions against 2,784)
+    shipped = (4, 6, 0, True, True, 4, 64, True, 0, 8)
+    variants = [shipped + (False,), shipped + (True,)] + variants
     first = None
     try:
         for v in variants:
@@ -531,7 +538,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["variant"] = dict(zip(names, v))
                 r["same_bits"] = same
                 res.append(r)
-                gu_const = f" const nch {v[8] or 'auto'}" if v[7] else ""
+                gu_const = (f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "

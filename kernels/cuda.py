@@ -1414,7 +1414,7 @@ def _make_load_iq2_xxs():
 _IQ2_SPLIT_SIGNS = True   # signed dot as dot(g, x) - 2 dot(g & m, x), parity by popc (no table)
 
 
-def _make_compute_iq2_xxs(T, x_regs=False):
+def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
     """Lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte words and
     dots them with each token's 32 activation bytes (padded shared-memory layout; with x_regs,
     one token whose words for step u are the lane's registers xsrc[xu = 8u ..]).
@@ -1424,8 +1424,13 @@ def _make_compute_iq2_xxs(T, x_regs=False):
     time, sum s_i g_i x_i = dot(g, x) - 2 dot(g & m, x): the same integer, one SASS instruction
     per word fewer, and the 8th sign bit from a popc instead of a shared-memory table load (the
     gate/up kernel's time moved within the noise: 27.5 -> 27.2 us in one H200 run, 25.7 -> 26.0
-    in another)."""
-    split = _IQ2_SPLIT_SIGNS
+    in another).
+
+    perm (the gate/up decode kernel's _IQ2_PERM_GATE_UP): the tables are the byte-permute
+    selectors of iq2_selector_tables (grid_s uint32[256], ks_s uint32[129] whose last word is
+    iq2_permute's byte positions) and each grid entry becomes its 8 signed weights in two words
+    (two prmt), dotted once: the same integer in half the dp4a, no byte masks."""
+    split = _IQ2_SPLIT_SIGNS and not perm
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1435,7 +1440,13 @@ def _make_compute_iq2_xxs(T, x_regs=False):
         dbits = raw[o]
         aux0 = raw[o + 1]
         aux1 = raw[o + 2]
+        pos = ks_s[128] if perm else uint32(0)              # a register operand (see iq2_permute)
         for l in range(4):
+            if perm:
+                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
+                wv[2 * l] = w_lo
+                wv[2 * l + 1] = w_hi
+                continue
             gv = grid_s[_ix(bfe(aux0, 8 * l, 8))]            # 8 magnitudes (bytes < 0x80)
             if split:
                 s8 = even_signs(bfe(aux1, 7 * l, 7))
@@ -1625,7 +1636,7 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0):
+def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
     """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
     load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
     chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
@@ -1638,7 +1649,8 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0):
     activation registers are indexed by the absolute step (xu = 8 (c0 + u)): a caller whose chunk
     loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
     load, NWORDS = _LOADERS[wtype]()
-    compute = _COMPUTERS[wtype](T, x_regs)
+    # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
+    compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw, o):
@@ -1667,7 +1679,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0):
     return load_chunk, dot_chunk, NCH * NWORDS
 
 
-def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
+def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
@@ -1676,7 +1688,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
     accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
     4 groups. NSB > 0: rows of that many super-blocks (a compile-time constant; the chunk loop
     has constant bounds and unrolls)."""
-    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB)
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCHUNK
@@ -1704,10 +1716,10 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
 _ROWDOTS = {}
 
 
-def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0):
-    key = (wtype, T, R, NCH, x_regs, NSB)
+def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
+    key = (wtype, T, R, NCH, x_regs, NSB, perm)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm)
     return _ROWDOTS[key]
 
 
@@ -1888,6 +1900,8 @@ _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else s
 _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-time constant: the
                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
+_IQ2_PERM_GATE_UP = False  # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
+                            # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
@@ -1919,12 +1933,16 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
     argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
     registers those of every step of the row are held (chunks of NCH < all steps possible). The
-    same loads, integers and f32 operations in the same order: the same bits."""
-    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB)      # gate row and up row together
+    same loads, integers and f32 operations in the same order: the same bits. perm (IQ2_XXS):
+    the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
+    and sign tables; the same integers."""
+    perm = perm and wtype == F.IQ2_XXS
+    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm)      # gate row and up row together
+    GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
     NXS = (NSB + 3) >> 2 if NSB else NCH                   # steps whose x words are registers
@@ -1937,8 +1955,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0):
         pdl_enter()
         if NSB:
             nsb = NSB
-        grid_s = cuda.shared.array(256, uint64)
-        ks_s = cuda.shared.array(128, uint8)
+        grid_s = cuda.shared.array(256, GRID_T)
+        ks_s = cuda.shared.array(KS_N, KS_T)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -1952,6 +1970,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0):
         xbase[1] = 0
         if tables:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            if perm and cuda.threadIdx.x == 0:
+                ks_s[128] = uint32(0x2B190800)             # iq2_permute's bytes 0, 8, 25, 43
         if stage:
             _stage_row(xs, 0, xq32, 0, k4)
         if tables:
@@ -3172,9 +3192,10 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     regs = _REGS_GATE_UP
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB))
-    grid_g, ks_g = _iq2_tables()
+    perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm))
+    grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
     kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
@@ -3222,7 +3243,8 @@ class MoEWorkspace:
         self.mq = cuda.device_array(n_used * n_ff, np.int8)
         self.md = cuda.device_array(n_used * n_ff // 256, np.float32)
         self.mbs = cuda.device_array(n_used * n_ff // 16, np.int32)
-        _iq2_tables()
+        _iq2_tables()                        # device tables made before any graph capture
+        _iq2_selector_tables_device()
         _dummy_i32()
 
 

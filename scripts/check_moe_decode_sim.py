@@ -1,7 +1,7 @@
 """The MoE decode variants of kernels/cuda.py in numba's CUDA simulator, no GPU needed: gate/up with
 a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) and the slots down
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
-bit. This checks their indexing and operation order (both sides run the same simulated
+bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP; `... perm` runs those cases only). This checks their indexing and operation order (both sides run the same simulated
 arithmetic: the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
 The simulator has no warp shuffles: shfl_xor_sync is a rendezvous of the warp's 32 threads. The
@@ -119,15 +119,26 @@ def main():
     bad = 0
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
-    for n_embd, nch, x_regs in ((1024, 0, True), (768, 0, True), (4608, 0, True), (4608, 1, True),
-                                (4096, 2, True), (4096, 2, False)):
-        _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True)
+    # (n_embd, chunk steps, x in registers, byte-permute weights)
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm": the _IQ2_PERM_GATE_UP cases only
+    cases = ((1024, 0, True, False), (768, 0, True, False), (4608, 0, True, False), (4608, 1, True, False),
+             (4096, 2, True, False), (4096, 2, False, False), (1024, 0, True, True), (768, 0, True, True),
+             (4608, 1, False, True))
+    for n_embd, nch, x_regs, perm in cases:
+        if only == "perm" and not perm:
+            continue
+        _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True,
+               _IQ2_PERM_GATE_UP=False)
         ref = gate_up(n_embd, 3, 2, 5)
-        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs)
+        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=perm)
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 5), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up const steps: K {n_embd}, nch {nch or 'auto'}, "
-              f"x {'registers' if x_regs else 'shared'}", flush=True)
+              f"x {'registers' if x_regs else 'shared'}{', byte-permute weights' if perm else ''}", flush=True)
+    _knobs(_IQ2_PERM_GATE_UP=False)
+    if only == "perm":
+        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
+        return 1 if bad else 0
     # (n_ff, n_embd rows, R rows per block, HC epilogue): a partial step (256), 2 steps (512: 2
     # super-blocks; 2048: 8), 3 steps (768); partial last blocks
     for n_ff, n_embd, R, hc in ((256, 5, 2, False), (512, 7, 3, False), (2048, 3, 2, False),

@@ -304,7 +304,8 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # the first MoE decode kernels (one gate/up kernel for any row length, 8 rows x 8 warps; down one
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
-                         _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0)
+                         _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
+                         _IQ2_PERM_GATE_UP=False)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -376,6 +377,16 @@ def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_r
                                       _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _X_REGS_GATE_UP=x_regs)
 
 
+@pytest.mark.parametrize("nch,x_regs", [(0, True), (2, True), (1, False)])
+def test_moe_gate_up_byte_permute_same_bits(experts, moe_knobs, nch, x_regs):
+    """_IQ2_PERM_GATE_UP (each IQ2_XXS grid entry as signed bytes from the byte-permute selector
+    tables, one dp4a per word) against the first gate/up kernel: the same integer dots, so mid
+    and the MoE output are the same bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 17, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch,
+                                      _RPB_GATE_UP=4, _NW_GATE_UP=6, _X_REGS_GATE_UP=x_regs,
+                                      _IQ2_PERM_GATE_UP=True)
+
+
 @pytest.mark.parametrize("n_embd", [768, 1024, 4608])
 @pytest.mark.parametrize("nch", [0, 1])
 def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
@@ -385,6 +396,8 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(n_embd, 20, 3, 14)
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
+    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
+    moe_knobs(_IQ2_PERM_GATE_UP=True)               # the byte-permute weights on the same rows
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
