@@ -228,9 +228,10 @@ class CudaEngine:
         # small kernels of one fill the SMs the other leaves idle: "side" takes the attention
         # compressor, the KV row and the shared expert; "aux" the indexer and the routed experts'
         # input quantization (see _attention, _ffn_route); "hc" the HC post gates and Sinkhorn
-        # (_hc_pre), joined before the sublayer's HC post. The simulator has no events: there
-        # everything stays on the main stream, in order.
-        names = ("side", "aux", "hc") if self.use_graphs else ()
+        # (_hc_pre), joined before the sublayer's HC post; "idx" the indexer's query, which needs
+        # only the q norm, beside the indexer lane's compressor on "aux" (see _attention). The
+        # simulator has no events: there everything stays on the main stream, in order.
+        names = ("side", "aux", "hc", "idx") if self.use_graphs else ()
         self.side_streams = {name: cuda.stream() for name in names}
         self._events = {name: (cuda.event(timing=False), cuda.event(timing=False)) for name in names}
         self._open_branches: set[str] = set()
@@ -341,6 +342,15 @@ class CudaEngine:
             _, join = self._events[name]
             join.record(self.side_streams[name])
             join.wait(self.main_stream)
+            self._open_branches.discard(name)
+
+    def _wait(self, name: str) -> None:
+        """The stream launches go to now (a side branch) waits for side branch `name`'s work so far;
+        `name` then counts as joined (the main stream waits for it through this branch's join)."""
+        if name in self._open_branches:
+            _, join = self._events[name]
+            join.record(self.side_streams[name])
+            join.wait(self.stream)
             self._open_branches.discard(name)
 
     def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None, hc=None):
@@ -459,9 +469,12 @@ class CudaEngine:
         # the indexer selects only once a token sees more than idx_topk rows; a prefill chunk
         # whose tokens all see fewer attends to every compressed row (the same rows)
         use_selected = ratio == 4 and (pos0 is None or (pos0 + T) // 4 > s.idx_topk)
-        # Three streams until the attention: main q_a+kv -> q norm -> q_b -> q heads; side: the
+        # Four streams until the attention: main q_a+kv -> q norm -> q_b -> q heads; side: the
         # attention compressor, then the KV row; aux: the indexer lane's compressor and head
-        # weights, then (once the q norm is done) the indexer's q, scores and top-k.
+        # weights, then the scores and top-k; idx (from the q norm on): the indexer's q, which the
+        # scores wait for. (With the indexer's q on aux, behind the lane's compressor, the ratio-4
+        # layers' attention waited ~18 us longer for the top-k than for the q heads: ncu kernel
+        # times of a step at 2,049 on the H200, session 18; profile()'s "index" group, 0.43 ms.)
         if ratio and self._on("compress"):
             with self._branch():
                 self._compressor(b, p + "attn_compressor", ratio, s.head_dim, freqs, b.comp_pair,
@@ -475,8 +488,11 @@ class CudaEngine:
         if self._on("attn_proj"):
             self._q_a_kv(b, il, freqs)
         if use_selected and self._on("index"):
+            with self._branch("idx"):
+                self._indexer_query(b, il, freqs)
             with self._branch("aux"):
-                self._indexer_select(b, il, freqs, pos0)
+                self._wait("idx")
+                self._indexer_select(b, il, pos0)
         if self._on("attn_proj"):
             self._q_b(b, il, freqs)
         self._join()
@@ -528,14 +544,17 @@ class CudaEngine:
         if self._on("q_heads"):
             ops.q_heads[(s.n_head, b.T), ops.Q_HEADS_THREADS, st](b.q, s.head_dim, s.n_rot, s.rms_eps, b.pos, freqs)
 
-    def _indexer_select(self, b, il: int, freqs, pos0):
-        """The indexer's q, scores and top-idx_topk selection of compressed rows per token (after
-        the indexer lane's compressor and head weights, on the same stream)."""
+    def _indexer_query(self, b, il: int, freqs):
+        """The indexer's q per token from the q norm: its q_b projection, then indexer_q."""
+        s, T = self.spec, b.T
+        self._proj(f"blk.{il}.indexer.attn_q_b.weight", b.qrn, None, None, b.iq, T)
+        ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), self.stream](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
+
+    def _indexer_select(self, b, il: int, pos0):
+        """The indexer's scores and top-idx_topk selection of compressed rows per token (after the
+        indexer lane's compressor and head weights, on the same stream, and the indexer's q)."""
         s, st, layer = self.spec, self.stream, self.layers[il]
-        p = f"blk.{il}."
         T = b.T
-        self._proj(p + "indexer.attn_q_b.weight", b.qrn, None, None, b.iq, T)
-        ops.indexer_q[(s.n_ihead, T), max(64, s.idx_dim), st](b.iq, s.idx_dim, s.n_rot, b.pos, freqs)
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
         if T == 1:

@@ -202,6 +202,7 @@ DENSE_SHAPES = [
     ("shared down 2048->4096", F.Q8_0, 4096, 2048),
     ("output head 4096->129280", F.Q8_0, 129280, 4096),
     ("router F16 4096->256", F.F16, 256, 4096),
+    ("indexer q_b F16 1024->8192", F.F16, 8192, 1024),
     ("expert gate IQ2_XXS 4096->2048 (1 expert)", F.IQ2_XXS, 2048, 4096),
     ("expert down Q2_K 2048->4096 (1 expert)", F.Q2_K, 4096, 2048),
 ]

@@ -958,13 +958,21 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
+_F16_CONST_DECODE = False   # one-warp-per-row F16 decode rows of <= 32 whole steps: the step count a
+                            # compile-time constant, every step's words loaded before the first fma
 
 
-def _f16_kernel(S, T, R=1):
+def _f16_kernel(S, T, R=1, NF=0):
     """F16 x f32: a lane takes one pair of weights (one uint32) per step of each of the warp's R
     rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
     steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
-    only changes how often an activation is loaded: once per R rows."""
+    only changes how often an activation is loaded: once per R rows. NF > 0 (decode, S = R = T =
+    1, _F16_CONST_DECODE): rows of exactly NF whole steps (plus the partial one, if any), all NF
+    steps' words loaded before the first fma (one round trip per warp instead of one per step:
+    the loop below issues a step's loads only once the step before has its words), the same fma
+    order."""
+    assert NF == 0 or (S == 1 and T == 1 and R == 1)
+    NFA = max(1, NF)       # local array sizes must be plain constants for numba
     RPB = _NW_DENSE // S   # row groups per block
     RT = R * T
     finish = _make_finish(S, T)
@@ -1024,6 +1032,15 @@ def _f16_kernel(S, T, R=1):
                         if c0 + u < n_mine:
                             acc[0] = cuda.fma(f16_bits_to_f32(wv[u] & _M16), xv[u].real, acc[0])
                             acc[0] = cuda.fma(f16_bits_to_f32(wv[u] >> uint32(16)), xv[u].imag, acc[0])
+            elif NF:
+                # the weights (DRAM) first; the activation (the same for every row: L1/L2) at its use
+                wv = cuda.local.array(NFA, uint32)
+                for u in range(NF):
+                    wv[u] = a32[_ix(wrow[0] + u * WARP + lane)]
+                for u in range(NF):
+                    xu = x64[_ix(u * WARP + lane)]
+                    acc[0] = cuda.fma(f16_bits_to_f32(wv[u] & _M16), xu.real, acc[0])
+                    acc[0] = cuda.fma(f16_bits_to_f32(wv[u] >> uint32(16)), xu.imag, acc[0])
             else:
                 for step in range(w, nfull, S):
                     step_fn(a32, wrow, step * WARP + lane, True, x64, npairs, tok0, n_tok, acc, w0, w1)
@@ -1340,7 +1357,9 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
         return
     T = _tok_tile(n_tok)
     R = 1 if n_tok == 1 else _F16_R
-    kernel = _cached(("f16", S, T, R), lambda: _f16_kernel(S, T, R))
+    nfull = (K // 2) >> 5
+    NF = nfull if _F16_CONST_DECODE and n_tok == 1 and S == 1 and 0 < nfull <= 32 else 0
+    kernel = _cached(("f16", S, T, R, NF), lambda: _f16_kernel(S, T, R, NF))
     grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a32, off_a // 4, K // 2, rows, K // 2, memo_view(X, "c64", lambda a: _flat(a).view(np.complex64)), n_tok, _flat(out), rows,

@@ -117,6 +117,8 @@ quant = {
                                                                               (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),
                        f16_rows),
+ # _F16_CONST_DECODE: rows of 16 whole steps (K = 1024, the indexer's q_b)
+ "f16_rows (decode, 16 constant steps)": (lambda: qk._f16_kernel(1, 1, 1, 16), f16_rows),
  "f16_rows (prefill, 4 rows per warp)": (lambda: qk._f16_kernel(1, 8, qk._F16_R),
                                          f16_rows),
  "f16_rows (prefill, split-K 4)": (lambda: qk._f16_kernel(4, 8, qk._F16_R),

@@ -863,6 +863,22 @@ def test_f16_tiled_equals_f16_rows(monkeypatch, rows_a, rows_b, Kd, n_tok):
         assert np.array_equal(one.view(np.uint32), got[i].view(np.uint32)), f"token {i}"
 
 
+@pytest.mark.parametrize("rows,Kd", [(8192, 1024), (8200, 1000), (9000, 64), (8192, 2048)])
+def test_f16_const_decode_equals_loop(monkeypatch, rows, Kd):
+    """_F16_CONST_DECODE (one warp per row, the whole steps a compile-time constant, every step's
+    weights loaded first) against the step loop, bit for bit: the indexer's q_b (1024 -> 8192), a
+    partial last step (K = 1000: 15 steps + 20 pairs), one step (64), and 32 steps (2048)."""
+    rng = _rng(70 + rows + Kd)
+    arena, offs = _arena([TD.random_weights(F.F16, (rows, Kd), rng)])
+    X = rng.standard_normal((1, Kd)).astype(np.float32)
+    monkeypatch.setattr(K, "_F16_CONST_DECODE", False)
+    want = _f16_launch(arena, offs, (rows, 0), Kd, X)
+    assert not np.any(np.isnan(want))
+    monkeypatch.setattr(K, "_F16_CONST_DECODE", True)
+    got = _f16_launch(arena, offs, (rows, 0), Kd, X)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # ------------------------------------------- Q8_0 staged MMA: magic-C accumulator, cp.async staging
 
 # (rows, K, tokens, extra offset): the engine's prefill shapes at 512 tokens (q_b, out_b, q_a,
