@@ -199,6 +199,7 @@ class CudaEngine:
     through a VRAM expert cache (`experts_resident` False) fetch each layer's chunk experts first."""
 
     PREFILL_SPLITS = 1      # attention row ranges per head group in prefill: T x groups blocks suffice
+    INDEXER_QUERY_STREAM = True   # the indexer's q on its own stream ("idx"), else on "aux" (_attention)
 
     def __init__(self, model, source, n_ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  pdl: bool = True):
@@ -488,7 +489,7 @@ class CudaEngine:
         if self._on("attn_proj"):
             self._q_a_kv(b, il, freqs)
         if use_selected and self._on("index"):
-            with self._branch("idx"):
+            with self._branch("idx" if self.INDEXER_QUERY_STREAM else "aux"):
                 self._indexer_query(b, il, freqs)
             with self._branch("aux"):
                 self._wait("idx")

@@ -28,8 +28,12 @@ def open_flash(model_path: str, n_ctx: int, corpus_chars: int = 40_000):
 
 
 def _knob_owner(name: str):
-    """(module, attribute) of a knob: NAME of ds4py.kernels.cuda, or ops.NAME of kernels.cuda_ops."""
+    """(owner, attribute) of a knob: NAME of ds4py.kernels.cuda, ops.NAME of kernels.cuda_ops, or
+    engine.NAME of the CudaEngine class (read when a graph is captured)."""
+    from ds4py.forward_cuda import CudaEngine
     from ds4py.kernels import cuda as CK, cuda_ops as ops
+    if name.startswith("engine."):
+        return CudaEngine, name[7:]
     return (ops, name[4:]) if name.startswith("ops.") else (CK, name)
 
 
