@@ -958,7 +958,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
-_F16_CONST_DECODE = False   # one-warp-per-row F16 decode rows of <= 32 whole steps: the step count a
+_F16_CONST_DECODE = True    # one-warp-per-row F16 decode rows of <= 32 whole steps: the step count a
                             # compile-time constant, every step's words loaded before the first fma
 
 
@@ -1919,7 +1919,7 @@ _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else s
 _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-time constant: the
                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
-_IQ2_PERM_GATE_UP = False  # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
+_IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
