@@ -109,9 +109,19 @@ def device_bytes(nbytes: int):
         raise
 
 
+PAGE = 4096
+
+
 def pinned_bytes(nbytes: int) -> np.ndarray:
-    """Page-aligned, page-locked host memory (an O_DIRECT target and an async-copy source)."""
-    return cuda_module().pinned_array(max(int(nbytes), 1), dtype=np.uint8)
+    """Page-aligned, page-locked host memory (an O_DIRECT target and an async-copy source). The
+    driver may put a small pinned allocation inside a page it already uses (after the engine's
+    8-byte read-back slots, the stream source's staging started 8 bytes past a page and O_DIRECT
+    refused it: H200, session 18), so the buffer is cut at the first page boundary of one a page
+    larger."""
+    nbytes = max(int(nbytes), 1)
+    whole = cuda_module().pinned_array(nbytes + PAGE, dtype=np.uint8)
+    start = -whole.ctypes.data % PAGE
+    return whole[start:start + nbytes]          # a view: it keeps `whole` alive
 
 
 def wrap_device(ptr: int, nbytes: int, owner=None):

@@ -217,3 +217,14 @@ def test_load_weights_end_to_end(tiny):
         assert src.counters.h2d_request_bytes == 0
     finally:
         src.close()
+
+
+def test_pinned_bytes_are_page_aligned_after_small_pinned_arrays():
+    """O_DIRECT reads into pinned_bytes buffers need page alignment, which the driver does not give
+    an allocation made after a small pinned one (the engine's read-back slots: session 18's
+    stream-regime failure)."""
+    small = [cuda.pinned_array(2, np.int32) for _ in range(3)]
+    for n in (1, 8, 4096, 70_000, 3 * 1024 * 1024 + 5):
+        buf = gpu.pinned_bytes(n)
+        assert buf.nbytes == n and gpu.host_addr(buf) % diskio.DIRECT_ALIGN == 0
+    assert all(s.shape == (2,) for s in small)
