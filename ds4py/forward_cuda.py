@@ -339,19 +339,18 @@ class CudaEngine:
 
     def _join(self, name: str = "side"):
         """The main stream waits for side branch `name` (a no-op when it is not open)."""
-        if name in self._open_branches:
-            _, join = self._events[name]
-            join.record(self.side_streams[name])
-            join.wait(self.main_stream)
-            self._open_branches.discard(name)
+        self._join_into(name, self.main_stream)
 
     def _wait(self, name: str) -> None:
         """The stream launches go to now (a side branch) waits for side branch `name`'s work so far;
         `name` then counts as joined (the main stream waits for it through this branch's join)."""
+        self._join_into(name, self.stream)
+
+    def _join_into(self, name: str, stream) -> None:
         if name in self._open_branches:
             _, join = self._events[name]
             join.record(self.side_streams[name])
-            join.wait(self.stream)
+            join.wait(stream)
             self._open_branches.discard(name)
 
     def _proj(self, name: str, x_f32, xq, xd, out, T: int, rows=None, row0: int = 0, k=None, hc=None):

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from .diskio import DIRECT_ALIGN
+
 # driver API constants (cuda.h); plain ints so no enum lookups differ between binding versions
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
@@ -109,18 +111,15 @@ def device_bytes(nbytes: int):
         raise
 
 
-PAGE = 4096
-
-
 def pinned_bytes(nbytes: int) -> np.ndarray:
     """Page-aligned, page-locked host memory (an O_DIRECT target and an async-copy source). The
     driver may put a small pinned allocation inside a page it already uses (after the engine's
     8-byte read-back slots, the stream source's staging started 8 bytes past a page and O_DIRECT
-    refused it: H200, session 18), so the buffer is cut at the first page boundary of one a page
-    larger."""
+    refused it: H200, session 18), so the buffer is cut at the first DIRECT_ALIGN boundary of one
+    DIRECT_ALIGN bytes larger."""
     nbytes = max(int(nbytes), 1)
-    whole = cuda_module().pinned_array(nbytes + PAGE, dtype=np.uint8)
-    start = -whole.ctypes.data % PAGE
+    whole = cuda_module().pinned_array(nbytes + DIRECT_ALIGN, dtype=np.uint8)
+    start = -whole.ctypes.data % DIRECT_ALIGN
     return whole[start:start + nbytes]          # a view: it keeps `whole` alive
 
 

@@ -959,7 +959,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
 _F16_R = 4     # rows per warp in the F16 matmul (prefill): one activation load feeds R rows
 _F16_U = 8     # steps whose words a split-K F16 decode warp loads before it uses the first
 _F16_CONST_DECODE = True    # one-warp-per-row F16 decode rows of <= 32 whole steps: the step count a
-                            # compile-time constant, every step's words loaded before the first fma
+                            # compile-time constant, the weight loads unrolled ahead of the fma's
 
 
 def _f16_kernel(S, T, R=1, NF=0):
@@ -967,8 +967,8 @@ def _f16_kernel(S, T, R=1, NF=0):
     rows, and fma's it with the T tokens' activation pair in f32. Every (row, token) sees the same
     steps in the same order whatever R is (the per-row order of R = 1, the decode matvec), so R
     only changes how often an activation is loaded: once per R rows. NF > 0 (decode, S = R = T =
-    1, _F16_CONST_DECODE): rows of exactly NF whole steps (plus the partial one, if any), all NF
-    steps' words loaded before the first fma (one round trip per warp instead of one per step:
+    1, _F16_CONST_DECODE): rows of exactly NF whole steps (plus the partial one, if any), the
+    weight loads written ahead of the fma's in an unrolled loop (ptxas sm_90 keeps ~12 in flight;
     the loop below issues a step's loads only once the step before has its words), the same fma
     order."""
     assert NF == 0 or (S == 1 and T == 1 and R == 1)
@@ -1669,6 +1669,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
     loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
     load, NWORDS = _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
+    assert not perm or wtype == F.IQ2_XXS
     compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
 
     @_inline

@@ -1,8 +1,9 @@
 """The MoE decode variants of kernels/cuda.py in numba's CUDA simulator, no GPU needed: gate/up with
 a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) and the slots down
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
-bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP; `... perm` runs those cases only). This checks their indexing and operation order (both sides run the same simulated
-arithmetic: the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
+bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP; `... perm` runs those cases only).
+This checks their indexing and operation order (both sides run the same simulated arithmetic:
+the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
 The simulator has no warp shuffles: shfl_xor_sync is a rendezvous of the warp's 32 threads. The
 activations are quantized by the CPU twin (kernels/cpu.py, the same bits as quantize_q8_k).
