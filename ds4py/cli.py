@@ -441,14 +441,19 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         conv.add_reply(result.tokens)
 
 
+def _counters_text(source) -> str:
+    """The weight source's counters: what moved at load and since, and the expert cache."""
+    c = source.counters
+    return (f"weights {getattr(source, 'regime', 'cpu')}; H2D at load {gib(c.h2d_load_bytes)}, "
+            f"per request so far {gib(c.h2d_request_bytes)}; disk read {gib(c.disk_read_bytes)}; expert cache "
+            f"{c.expert_hits} hits / {c.expert_misses} misses / {c.expert_evictions} evictions")
+
+
 def _stats_line(loaded, model, result) -> str:
     """Residency counters and the decode rate in weight bytes per second."""
     from ds4py.bench import weight_bytes_per_token
-    c = loaded.source.counters
     gbps = result.gen_tps * weight_bytes_per_token(model) / 1e9
-    return (f"ds4py: stats: weights {getattr(loaded.source, 'regime', 'cpu')}; H2D at load {gib(c.h2d_load_bytes)}, "
-            f"per request so far {gib(c.h2d_request_bytes)}; disk read {gib(c.disk_read_bytes)}; expert cache "
-            f"{c.expert_hits} hits / {c.expert_misses} misses / {c.expert_evictions} evictions; decode {gbps:.1f} GB/s of weights")
+    return f"ds4py: stats: {_counters_text(loaded.source)}; decode {gbps:.1f} GB/s of weights"
 
 
 @app.command()
@@ -508,6 +513,8 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
             raise Ds4Error(f"{csv}: cannot write the CSV ({e.strerror})") from None
     regime = getattr(loaded.source, "regime", "cpu")
     console.print(b.bench_table(rows, regime, per_token, ceiling, what))
+    if regime != "cpu":
+        console.print(f"ds4py: bench: {_counters_text(loaded.source)}", highlight=False)
     loaded.close()
 
 

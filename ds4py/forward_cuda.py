@@ -951,11 +951,13 @@ class CudaEngine:
         grows the MoE scratch and fills the launch memo for its views: 0.2-0.3 s of host time
         that the first timed prefill paid after a short warm-up, session 16/17 on the H200), and,
         when the context allows, a short one past that threshold, then one decode step (graph
-        capture), and puts the state back. Resident experts only: with an expert cache the
-        throwaway chunks would fetch experts and move its counters."""
-        if not self.experts_resident or not self.use_graphs or self.n_ctx <= self.WARM_TOKENS:
+        capture), and puts the state back. The chunks repeat one token, so every position routes
+        to the same experts: with an expert cache a warm-up fetches 6 experts per layer, not a
+        chunk's worth (its first page-cache bench spent 12 s of compiling inside the clock,
+        session 19); the source then rewinds its counters and forgets those experts."""
+        if not self.use_graphs or self.n_ctx <= self.WARM_TOKENS:
             return
-        saved = self.snapshot()
+        saved, mark = self.snapshot(), self.source.mark()
         chunks = [(0, min(self.prefill_chunk, self.n_ctx - 1))]
         past_threshold = 4 * self.spec.idx_topk + 4
         if past_threshold + self.WARM_TOKENS + 1 <= self.n_ctx:
@@ -965,6 +967,7 @@ class CudaEngine:
             self.prefill_batched([0] * n_tokens)
         self.decode(0)
         self.restore(saved)
+        self.source.rewind(mark)
 
     GROUPS = ("hc", "attn_proj", "compress", "index", "attention", "attn_out", "router", "moe",
               "shared", "head")

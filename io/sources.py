@@ -38,6 +38,9 @@ The GPU-facing interface (all three GPU sources):
         expert ids with no host sync (`expert_base_table()` gives all layers as np.int64[n_layer, 6]).
     source.host(name) -> numpy view of the tensor in the file mapping (as HostSource.host)
     source.stream                       the source's own gpu.Stream (`.numba` for launches)
+    source.mark() -> Counters; source.rewind(mark)
+        a throwaway run (the engine's warm-up) leaves no trace: the counters go back to the mark
+        and an expert cache forgets every entry (the run overwrote its slots)
     source.synchronize(), source.close()
 
 `fetch_experts` semantics: an expert of the current selection is never evicted, so all n rows are
@@ -51,7 +54,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -79,6 +82,10 @@ class Counters:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def set_to(self, other: "Counters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
 
 
 class HostSource:
@@ -225,6 +232,12 @@ class GpuSource:
 
     def fetch_experts(self, layer: int, expert_ids, stream=None) -> np.ndarray:
         raise NotImplementedError
+
+    def mark(self) -> Counters:
+        return replace(self.counters)
+
+    def rewind(self, mark: Counters) -> None:
+        self.counters.set_to(mark)          # in place: callers may hold source.counters
 
     def experts_at_once(self) -> int | None:
         """How many distinct experts of one layer fetch_experts can hold resident at once (None:
@@ -533,6 +546,10 @@ class _ExpertCachingSource(GpuSource):
 
     def experts_at_once(self) -> int:
         return self.policy.n_slots
+
+    def rewind(self, mark: Counters) -> None:
+        super().rewind(mark)
+        self.policy.clear()
 
     def expert_slot_offsets(self, slots) -> np.ndarray:
         """Arena byte offsets (gate, up, down) of the given slots."""

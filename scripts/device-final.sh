@@ -6,7 +6,8 @@
 # KBENCH_PARTS (scripts/bench_kernels.py
 # parts, e.g. tune_moe), BENCH_LIKE=1 (scripts/prefill_timing.py --bench-like: per-chunk times of
 # the bench's prefills), PROFILE_CHUNK=1 (per-kernel ncu profile of a 512-token prefill chunk after each of
-# PROFILE_PROMPTS tokens, default 1535).
+# PROFILE_PROMPTS tokens, default 1535), REGIMES=1 (`ds4py bench` page-cache then stream with
+# `--gpu-vram ${REGIME_VRAM:-24G}`: a card too small for every expert; REGIME_CTX tokens of prompt).
 # A mid-session check: TESTS_K (only the GPU tests matching a -k expression), SKIP_BENCH=1;
 # SKIP_TESTS=1: no tests.
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
@@ -69,6 +70,16 @@ if [ -n "${PROFILE_CHUNK:-}" ] && [ "$(left)" -gt 60 ]; then
       python3 scripts/profile_step.py --prompt $prompt --prefill 512 > $OUT/ncu_prefill_$prompt.csv 2>/dev/null
     python3 scripts/profile_step.py --summarize $OUT/ncu_prefill_$prompt.csv > $OUT/prefill_kernels_$prompt.txt
     echo "== chunk after $prompt tokens"; head -14 $OUT/prefill_kernels_$prompt.txt
+  done
+fi
+if [ -n "${REGIMES:-}" ] && [ "$(left)" -gt 60 ]; then
+  [ -f /tmp/flash.gguf ] || ds4py make-model /tmp/flash.gguf --preset flash --alias per-role > /dev/null
+  for w in page-cache stream; do
+    [ "$(left)" -gt 30 ] || break
+    timeout $(budget ${REGIME_S:-150}) ds4py bench -m /tmp/flash.gguf --prompt-file .data/promessi_sposi.txt \
+      --ctx-start ${REGIME_CTX:-64} --ctx-max ${REGIME_CTX:-64} --gen-tokens ${REGIME_GEN:-32} --weights $w \
+      --gpu-vram ${REGIME_VRAM:-24G} --csv $OUT/regime_$w.csv > $OUT/regime_$w.log 2>&1
+    echo "== $w"; grep -v Warn $OUT/regime_$w.log | tail -14; cat $OUT/regime_$w.csv
   done
 fi
 echo "device-final: $(( $(date +%s) - T0 )) s"

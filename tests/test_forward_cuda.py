@@ -264,16 +264,22 @@ def test_programmatic_graph_equals_ordinary_graph(model, regime):
     sf.close()
 
 
-def test_warm_up_leaves_no_trace(model):
+@pytest.mark.parametrize("regime", ["device", "page-cache"])
+def test_warm_up_leaves_no_trace(model, regime):
     """warm_up (what the bench runs before its clock) prefills throwaway chunks, one past the
     indexer threshold, and restores the state: the logits that follow are bitwise those of an
-    engine that never warmed up, also after a prefill."""
+    engine that never warmed up, also after a prefill; with an expert cache the source's counters
+    are those from before the warm-up, and the cache starts cold again."""
     tokens = _tokens(50, seed=9)
-    warm, sw = _engine(model, "device", n_ctx=256)
-    cold, sc = _engine(model, "device", n_ctx=256)
+    warm, sw = _engine(model, regime, n_ctx=256)
+    cold, sc = _engine(model, regime, n_ctx=256)
     warm.decode(tokens[0])
+    before = sw.counters.as_dict()
     warm.warm_up()
     assert warm.n_past == 1
+    assert sw.counters.as_dict() == before
+    if regime == "page-cache":
+        assert len(sw.policy) == 0
     cold.decode(tokens[0])
     got = np.array(warm.prefill(tokens[1:40]))
     want = np.array(cold.prefill(tokens[1:40]))

@@ -553,6 +553,26 @@ def test_page_cache_source_caches_experts_lru_and_keeps_pages(tiny):
     assert not gpu.registered
 
 
+def test_rewind_restores_the_counters_and_empties_the_expert_cache(tiny):
+    """A throwaway run between mark() and rewind() (the engine's warm-up) leaves no trace: the
+    counters are those of the mark, the same object, and the next fetch misses again and loads
+    the right bytes."""
+    src = sources.StreamSource(tiny, gpu=FakeGpu(), expert_slots=2 * tiny.spec.n_used, progress=False,
+                               log=lambda s: None)
+    ids = list(range(tiny.spec.n_used))
+    _check_experts(src, tiny, 0, ids)
+    counters = src.counters
+    mark = src.mark()
+    _check_experts(src, tiny, 1, ids)
+    assert counters.as_dict() != mark.as_dict()
+    src.rewind(mark)
+    assert src.counters is counters and counters.as_dict() == mark.as_dict()
+    assert len(src.policy) == 0
+    _check_experts(src, tiny, 0, ids)
+    assert counters.expert_misses == 2 * len(ids)
+    src.close()
+
+
 def test_page_cache_source_without_registration_stages_from_the_page_cache(tiny, monkeypatch):
     gpu, lines = FakeGpu(), []
 
