@@ -36,11 +36,13 @@ fi
 if [[ $parts == *" moe "* ]]; then
   # ncu counters of chosen kernels inside a real decode step (or, with PROFILE_ARGS="--prefill 512",
   # a prefill chunk): NCU_REGEX picks them, NCU_COUNT how many launches (in launch order)
-  timeout ${MOE_S:-180} $NCU --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+  # (NCU_SECTIONS replaces the section list, e.g. "SpeedOfLight MemoryWorkloadAnalysis_Tables
+  # ComputeWorkloadAnalysis": shared-memory bank conflicts, L1 wavefronts, pipe utilization)
+  sections=${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats MemoryWorkloadAnalysis SchedulerStats}
+  timeout ${MOE_S:-180} $NCU --profile-from-start off --clock-control none $(printf -- '--section %s ' $sections) \
     -k "${NCU_REGEX:-regex:moe_}" --launch-count ${NCU_COUNT:-6} \
     python3 scripts/profile_step.py ${PROFILE_ARGS:-} > $OUT/ncu_moe.txt 2>&1
-  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ" $OUT/ncu_moe.txt | head -${NCU_LINES:-60}
+  grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Eligible Warps|No Eligible|Theoretical Occ|${NCU_GREP:-Duration}" $OUT/ncu_moe.txt | head -${NCU_LINES:-60}
 fi
 if [[ $parts == *" sanitize "* ]]; then
   # compute-sanitizer over GPU tests (SAN_TESTS, default: the GPU-vs-CPU logits test) with each
