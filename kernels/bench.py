@@ -498,7 +498,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
-             "_IQ2_PERM_GATE_UP", "_IQ2_TABLE_COPIES")
+             "_IQ2_PERM_GATE_UP", "_IQ2_TABLE_COPIES", "_IQ2_WIDE_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
@@ -527,6 +527,10 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # against 2,368, 4-24 KB of shared memory per block): fewer bank conflicts per lookup
     variants = [v + (1,) for v in variants]
     variants[2:2] = [shipped + (True, c) for c in (4, 8, 16)]
+    # and the weight words from aligned 8-byte loads (_IQ2_WIDE_GATE_UP; ptxas: 24 loads per (row,
+    # slot) unit instead of 40, 2,496 SASS): ncu had the kernel L1-bound on its 16-bit loads
+    variants = [v + (False,) for v in variants]
+    variants[2:2] = [shipped + (True, 1, True), shipped + (True, 4, True)]
     first = None
     try:
         for v in variants:
@@ -545,7 +549,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["same_bits"] = same
                 res.append(r)
                 gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
-                            + (f" copies {v[11]}" if v[11] > 1 else ""))
+                            + (f" copies {v[11]}" if v[11] > 1 else "") + (" wide" if v[12] else ""))
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "

@@ -1413,7 +1413,13 @@ def _pad_words(K):
 # decode matvecs are latency-bound without that. The per-row arithmetic (steps in order, one
 # f32 accumulator per lane group and token) does not depend on R, NCH or T.
 
-def _make_load_iq2_xxs():
+def _make_load_iq2_xxs(wide=False):
+    """wide: a sub-block's 8 bytes (2-byte aligned in the 66-byte blocks) from two aligned 8-byte
+    loads and two funnel shifts instead of four 16-bit loads, the same words: ncu (session 19) had
+    the gate/up decode kernel L1-bound (84 % of L1/TEX throughput), its 16-bit loads using 5.6 of
+    each 32-byte sector. The second load is taken only when the bytes cross into it (else the
+    first is read twice): an aligned 8-byte word holding a wanted byte lies inside any
+    allocation whose size is a multiple of 8."""
     NWORDS = 3
 
     @_inline
@@ -1424,8 +1430,22 @@ def _make_load_iq2_xxs():
         if valid:
             hsb = (roff >> 1) + 33 * sb
             raw[o] = uint32(a16[_ix(hsb)])                 # f16 d
-            raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)    # 4 grid indices
-            raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)    # 4 x 7 sign bits, 4-bit scale
+            if wide:
+                byte = roff + 66 * sb + 2 + 8 * j          # the sub-block's first byte (even)
+                off = uint32(byte) & uint32(7)
+                i0 = (byte >> 3) << 1                      # its aligned 8 bytes, as a 32-bit index
+                x0, x1 = ld_pair(a32, _ix(i0))
+                x2, x3 = ld_pair(a32, _ix(i0 + (2 if off != 0 else 0)))
+                upper = off >= 4
+                y0 = x1 if upper else x0
+                y1 = x2 if upper else x1
+                y2 = x3 if upper else x2
+                sh = (off & uint32(3)) << uint32(3)
+                raw[o + 1] = funnel_r(y0, y1, sh)          # 4 grid indices
+                raw[o + 2] = funnel_r(y1, y2, sh)          # 4 x 7 sign bits, 4-bit scale
+            else:
+                raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)
+                raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)
 
     return load, NWORDS
 
@@ -1665,7 +1685,7 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1):
+def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
     """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
     load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
     chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
@@ -1677,7 +1697,9 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1):
     wholly inside the row needs no bound check (valid is the same boolean), and with x_regs the
     activation registers are indexed by the absolute step (xu = 8 (c0 + u)): a caller whose chunk
     loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
-    load, NWORDS = _LOADERS[wtype]()
+    # wide: IQ2_XXS words from aligned 8-byte loads (_make_load_iq2_xxs)
+    assert not wide or wtype == F.IQ2_XXS
+    load, NWORDS = _make_load_iq2_xxs(True) if wide else _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
     assert not perm or wtype == F.IQ2_XXS
     compute = _make_compute_iq2_xxs(T, x_regs, True, copies) if perm else _COMPUTERS[wtype](T, x_regs)
@@ -1709,7 +1731,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1):
     return load_chunk, dot_chunk, NCH * NWORDS
 
 
-def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1):
+def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
@@ -1718,7 +1740,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1):
     accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
     4 groups. NSB > 0: rows of that many super-blocks (a compile-time constant; the chunk loop
     has constant bounds and unrolls)."""
-    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm, copies)
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm, copies, wide)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCHUNK
@@ -1746,10 +1768,10 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1):
 _ROWDOTS = {}
 
 
-def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1):
-    key = (wtype, T, R, NCH, x_regs, NSB, perm, copies)
+def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
+    key = (wtype, T, R, NCH, x_regs, NSB, perm, copies, wide)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm, copies)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm, copies, wide)
     return _ROWDOTS[key]
 
 
@@ -1947,6 +1969,7 @@ _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-t
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
 _IQ2_TABLE_COPIES = 1      # interleaved copies of its selector tables (1, 2, 4, 8, 16; see
                             # _make_compute_iq2_xxs): fewer shared-memory bank conflicts
+_IQ2_WIDE_GATE_UP = False  # IQ2_XXS gate/up decode: aligned 8-byte weight loads (_make_load_iq2_xxs)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
@@ -1980,16 +2003,19 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, copies=1):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, copies=1,
+                               wide=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
     argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
     registers those of every step of the row are held (chunks of NCH < all steps possible). The
     same loads, integers and f32 operations in the same order: the same bits. perm (IQ2_XXS):
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
-    and sign tables; the same integers; with `copies` interleaved copies of them in shared memory."""
+    and sign tables; the same integers; with `copies` interleaved copies of them in shared memory.
+    wide (IQ2_XXS): the weight words from aligned 8-byte loads; the same words."""
     perm = perm and wtype == F.IQ2_XXS
     copies = copies if perm else 1
-    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, copies)   # gate row and up row together
+    wide = wide and wtype == F.IQ2_XXS
+    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, copies, wide)   # gate row and up row together
     GRID_T, KS_T = (uint32, uint32) if perm else (uint64, uint8)
     GRID_N, KS_N = (256 * copies, 128 * copies + 1) if perm else (256, 128)
     load_tables = _make_load_table_copies(copies) if perm else _load_iq2_tables
@@ -3244,8 +3270,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
     perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
     copies = _IQ2_TABLE_COPIES if perm else 1
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, copies),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, copies))
+    wide = _IQ2_WIDE_GATE_UP and gate_type == F.IQ2_XXS
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, copies, wide),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, copies, wide))
     grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
