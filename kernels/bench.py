@@ -489,16 +489,15 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
     rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
     arithmetic (split: dot(g, x) - 2 dot(g & m, x)), a kernel per row length (const: the step count
-    a compile-time constant, chunks of nch steps), the byte-permute weights and copies of their
-    tables; down warps per block and register cap, or one warp per slot over R rows per block
-    (moe_down_decode_slots). Every variant must give the same bits (checked: mid and out of one
-    step against the first variant); only the time may change."""
+    a compile-time constant, chunks of nch steps); down warps per block and register cap, or one
+    warp per slot over R rows per block (moe_down_decode_slots). Every variant must give the same bits (checked: mid and out of one step against the first
+    variant); only the time may change."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
-             "_IQ2_PERM_GATE_UP", "_IQ2_TABLE_COPIES", "_IQ2_WIDE_GATE_UP")
+             "_IQ2_PERM_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
@@ -523,14 +522,6 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # SASS instructions against 2,784)
     shipped = (4, 6, 0, True, True, 4, 64, True, 0, 8)
     variants = [shipped + (False,), shipped + (True,)] + variants
-    # then interleaved copies of the selector tables (_IQ2_TABLE_COPIES; ptxas: 2,624 SASS
-    # against 2,368, 4-24 KB of shared memory per block): fewer bank conflicts per lookup
-    variants = [v + (1,) for v in variants]
-    variants[2:2] = [shipped + (True, c) for c in (4, 8, 16)]
-    # and the weight words from aligned 8-byte loads (_IQ2_WIDE_GATE_UP; ptxas: 24 loads per (row,
-    # slot) unit instead of 40, 2,496 SASS): ncu had the kernel L1-bound on its 16-bit loads
-    variants = [v + (False,) for v in variants]
-    variants[2:2] = [shipped + (True, 1, True), shipped + (True, 4, True)]
     first = None
     try:
         for v in variants:
@@ -548,8 +539,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["variant"] = dict(zip(names, v))
                 r["same_bits"] = same
                 res.append(r)
-                gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
-                            + (f" copies {v[11]}" if v[11] > 1 else "") + (" wide" if v[12] else ""))
+                gu_const = (f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "

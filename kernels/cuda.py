@@ -1413,13 +1413,7 @@ def _pad_words(K):
 # decode matvecs are latency-bound without that. The per-row arithmetic (steps in order, one
 # f32 accumulator per lane group and token) does not depend on R, NCH or T.
 
-def _make_load_iq2_xxs(wide=False):
-    """wide: a sub-block's 8 bytes (2-byte aligned in the 66-byte blocks) from two aligned 8-byte
-    loads and two funnel shifts instead of four 16-bit loads, the same words: ncu (session 19) had
-    the gate/up decode kernel L1-bound (84 % of L1/TEX throughput), its 16-bit loads using 5.6 of
-    each 32-byte sector. The second load is taken only when the bytes cross into it (else the
-    first is read twice): an aligned 8-byte word holding a wanted byte lies inside any
-    allocation whose size is a multiple of 8."""
+def _make_load_iq2_xxs():
     NWORDS = 3
 
     @_inline
@@ -1430,22 +1424,8 @@ def _make_load_iq2_xxs(wide=False):
         if valid:
             hsb = (roff >> 1) + 33 * sb
             raw[o] = uint32(a16[_ix(hsb)])                 # f16 d
-            if wide:
-                byte = roff + 66 * sb + 2 + 8 * j          # the sub-block's first byte (even)
-                off = uint32(byte) & uint32(7)
-                i0 = (byte >> 3) << 1                      # its aligned 8 bytes, as a 32-bit index
-                x0, x1 = ld_pair(a32, _ix(i0))
-                x2, x3 = ld_pair(a32, _ix(i0 + (2 if off != 0 else 0)))
-                upper = off >= 4
-                y0 = x1 if upper else x0
-                y1 = x2 if upper else x1
-                y2 = x3 if upper else x2
-                sh = (off & uint32(3)) << uint32(3)
-                raw[o + 1] = funnel_r(y0, y1, sh)          # 4 grid indices
-                raw[o + 2] = funnel_r(y1, y2, sh)          # 4 x 7 sign bits, 4-bit scale
-            else:
-                raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)
-                raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)
+            raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)    # 4 grid indices
+            raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)    # 4 x 7 sign bits, 4-bit scale
 
     return load, NWORDS
 
@@ -1453,7 +1433,7 @@ def _make_load_iq2_xxs(wide=False):
 _IQ2_SPLIT_SIGNS = True   # signed dot as dot(g, x) - 2 dot(g & m, x), parity by popc (no table)
 
 
-def _make_compute_iq2_xxs(T, x_regs=False, perm=False, copies=1):
+def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
     """Lane j decodes sub-block j (32 weights) of super-block sb into 8 signed-byte words and
     dots them with each token's 32 activation bytes (padded shared-memory layout; with x_regs,
     one token whose words for step u are the lane's registers xsrc[xu = 8u ..]).
@@ -1468,13 +1448,8 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False, copies=1):
     perm (the gate/up decode kernel's _IQ2_PERM_GATE_UP): the tables are the byte-permute
     selectors of iq2_selector_tables (grid_s uint32[256], ks_s uint32[129] whose last word is
     iq2_permute's byte positions) and each grid entry becomes its 8 signed weights in two words
-    (two prmt), dotted once: the same integer in half the dp4a, no byte masks. copies (perm
-    only): the tables hold that many interleaved copies (entry i of copy c at word i*copies + c)
-    and lane l reads copy l % copies, so fewer lanes of a warp meet in one shared-memory bank
-    (copies 16: two lanes per copy, each pair spread over 2 banks; one copy: 32 random lookups
-    over 32 banks, ~3.5-way conflicts)."""
+    (two prmt), dotted once: the same integer in half the dp4a, no byte masks."""
     split = _IQ2_SPLIT_SIGNS and not perm
-    assert copies == 1 or perm
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1484,15 +1459,10 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False, copies=1):
         dbits = raw[o]
         aux0 = raw[o + 1]
         aux1 = raw[o + 2]
-        pos = ks_s[128 * copies] if perm else uint32(0)     # a register operand (see iq2_permute)
-        cc = uint32(cuda.laneid) & uint32(copies - 1)
+        pos = ks_s[128] if perm else uint32(0)              # a register operand (see iq2_permute)
         for l in range(4):
-            if perm and copies > 1:
-                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8) * copies + cc)],
-                                         ks_s[_ix(bfe(aux1, 7 * l, 7) * copies + cc)], pos)
-            elif perm:
-                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
             if perm:
+                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
                 wv[2 * l] = w_lo
                 wv[2 * l + 1] = w_hi
                 continue
@@ -1685,7 +1655,7 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
+def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
     """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
     load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
     chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
@@ -1697,12 +1667,10 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1, 
     wholly inside the row needs no bound check (valid is the same boolean), and with x_regs the
     activation registers are indexed by the absolute step (xu = 8 (c0 + u)): a caller whose chunk
     loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
-    # wide: IQ2_XXS words from aligned 8-byte loads (_make_load_iq2_xxs)
-    assert not wide or wtype == F.IQ2_XXS
-    load, NWORDS = _make_load_iq2_xxs(True) if wide else _LOADERS[wtype]()
+    load, NWORDS = _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
     assert not perm or wtype == F.IQ2_XXS
-    compute = _make_compute_iq2_xxs(T, x_regs, True, copies) if perm else _COMPUTERS[wtype](T, x_regs)
+    compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw, o):
@@ -1731,7 +1699,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, copies=1, 
     return load_chunk, dot_chunk, NCH * NWORDS
 
 
-def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
+def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
@@ -1740,7 +1708,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, w
     accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
     4 groups. NSB > 0: rows of that many super-blocks (a compile-time constant; the chunk loop
     has constant bounds and unrolls)."""
-    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm, copies, wide)
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCHUNK
@@ -1768,10 +1736,10 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, w
 _ROWDOTS = {}
 
 
-def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, copies=1, wide=False):
-    key = (wtype, T, R, NCH, x_regs, NSB, perm, copies, wide)
+def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
+    key = (wtype, T, R, NCH, x_regs, NSB, perm)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm, copies, wide)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm)
     return _ROWDOTS[key]
 
 
@@ -1790,21 +1758,6 @@ def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
         grid_s[i] = grid_g[i]
     for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
         ks_s[i] = ks_g[i]
-
-
-def _make_load_table_copies(copies):
-    """_load_iq2_tables with `copies` interleaved copies (word i*copies + c holds entry i)."""
-    shift = copies.bit_length() - 1
-    assert copies == 1 << shift
-
-    @_inline
-    def load(grid_s, ks_s, grid_g, ks_g):
-        for i in range(cuda.threadIdx.x, 256 * copies, cuda.blockDim.x):
-            grid_s[i] = grid_g[i >> shift]
-        for i in range(cuda.threadIdx.x, 128 * copies, cuda.blockDim.x):
-            ks_s[i] = ks_g[i >> shift]
-
-    return load
 
 
 @_inline
@@ -1967,9 +1920,6 @@ _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else s
 _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-time constant: the
                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
-_IQ2_TABLE_COPIES = 1      # interleaved copies of its selector tables (1, 2, 4, 8, 16; see
-                            # _make_compute_iq2_xxs): fewer shared-memory bank conflicts
-_IQ2_WIDE_GATE_UP = False  # IQ2_XXS gate/up decode: aligned 8-byte weight loads (_make_load_iq2_xxs)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
@@ -2003,22 +1953,16 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, copies=1,
-                               wide=False):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
     argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
     registers those of every step of the row are held (chunks of NCH < all steps possible). The
     same loads, integers and f32 operations in the same order: the same bits. perm (IQ2_XXS):
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
-    and sign tables; the same integers; with `copies` interleaved copies of them in shared memory.
-    wide (IQ2_XXS): the weight words from aligned 8-byte loads; the same words."""
+    and sign tables; the same integers."""
     perm = perm and wtype == F.IQ2_XXS
-    copies = copies if perm else 1
-    wide = wide and wtype == F.IQ2_XXS
-    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, copies, wide)   # gate row and up row together
-    GRID_T, KS_T = (uint32, uint32) if perm else (uint64, uint8)
-    GRID_N, KS_N = (256 * copies, 128 * copies + 1) if perm else (256, 128)
-    load_tables = _make_load_table_copies(copies) if perm else _load_iq2_tables
+    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm)      # gate row and up row together
+    GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
     NXS = (NSB + 3) >> 2 if NSB else NCH                   # steps whose x words are registers
@@ -2031,7 +1975,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
         pdl_enter()
         if NSB:
             nsb = NSB
-        grid_s = cuda.shared.array(GRID_N, GRID_T)
+        grid_s = cuda.shared.array(256, GRID_T)
         ks_s = cuda.shared.array(KS_N, KS_T)
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
@@ -2045,9 +1989,9 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
         xbase[0] = 0
         xbase[1] = 0
         if tables:
-            load_tables(grid_s, ks_s, grid_g, ks_g)
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
             if perm and cuda.threadIdx.x == 0:
-                ks_s[KS_N - 1] = uint32(0x2B190800)        # iq2_permute's bytes 0, 8, 25, 43
+                ks_s[128] = uint32(0x2B190800)             # iq2_permute's bytes 0, 8, 25, 43
         if stage:
             _stage_row(xs, 0, xq32, 0, k4)
         if tables:
@@ -3269,10 +3213,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
     perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
-    copies = _IQ2_TABLE_COPIES if perm else 1
-    wide = _IQ2_WIDE_GATE_UP and gate_type == F.IQ2_XXS
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, copies, wide),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, copies, wide))
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm))
     grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)

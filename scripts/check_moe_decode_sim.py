@@ -120,27 +120,23 @@ def main():
     bad = 0
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
-    # (n_embd, chunk steps, x in registers, byte-permute weights, table copies, aligned 8-byte loads)
+    # (n_embd, chunk steps, x in registers, byte-permute weights)
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm": the _IQ2_PERM_GATE_UP cases only
-    cases = ((1024, 0, True, False, 1, False), (768, 0, True, False, 1, False), (4608, 0, True, False, 1, False),
-             (4608, 1, True, False, 1, False), (4096, 2, True, False, 1, False), (4096, 2, False, False, 1, False),
-             (1024, 0, True, True, 1, False), (768, 0, True, True, 1, False), (4608, 1, False, True, 1, False),
-             (1024, 0, True, True, 4, False), (4608, 1, False, True, 16, False), (1024, 0, True, True, 1, True),
-             (768, 0, True, True, 1, True), (4608, 1, False, True, 1, True))
-    for n_embd, nch, x_regs, perm, copies, wide in cases:
+    cases = ((1024, 0, True, False), (768, 0, True, False), (4608, 0, True, False), (4608, 1, True, False),
+             (4096, 2, True, False), (4096, 2, False, False), (1024, 0, True, True), (768, 0, True, True),
+             (4608, 1, False, True))
+    for n_embd, nch, x_regs, perm in cases:
         if only == "perm" and not perm:
             continue
         _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True,
-               _IQ2_PERM_GATE_UP=False, _IQ2_TABLE_COPIES=1, _IQ2_WIDE_GATE_UP=False)
+               _IQ2_PERM_GATE_UP=False)
         ref = gate_up(n_embd, 3, 2, 5)
-        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=perm,
-               _IQ2_TABLE_COPIES=copies, _IQ2_WIDE_GATE_UP=wide)
+        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=perm)
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 5), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up const steps: K {n_embd}, nch {nch or 'auto'}, "
-              f"x {'registers' if x_regs else 'shared'}{', byte-permute weights' if perm else ''}"
-              f"{f', {copies} table copies' if copies > 1 else ''}{', wide loads' if wide else ''}", flush=True)
-    _knobs(_IQ2_PERM_GATE_UP=False, _IQ2_TABLE_COPIES=1, _IQ2_WIDE_GATE_UP=False)
+              f"x {'registers' if x_regs else 'shared'}{', byte-permute weights' if perm else ''}", flush=True)
+    _knobs(_IQ2_PERM_GATE_UP=False)
     if only == "perm":
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0

@@ -377,17 +377,14 @@ def test_moe_gate_up_const_steps_same_bits(experts, moe_knobs, nch, rpb, nw, x_r
                                       _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _X_REGS_GATE_UP=x_regs)
 
 
-@pytest.mark.parametrize("nch,x_regs,copies,wide", [(0, True, 1, False), (2, True, 1, False), (1, False, 1, False),
-                                                    (0, True, 4, False), (1, False, 16, False), (0, True, 1, True),
-                                                    (1, False, 1, True)])
-def test_moe_gate_up_byte_permute_same_bits(experts, moe_knobs, nch, x_regs, copies, wide):
+@pytest.mark.parametrize("nch,x_regs", [(0, True), (2, True), (1, False)])
+def test_moe_gate_up_byte_permute_same_bits(experts, moe_knobs, nch, x_regs):
     """_IQ2_PERM_GATE_UP (each IQ2_XXS grid entry as signed bytes from the byte-permute selector
-    tables, one dp4a per word; copies: _IQ2_TABLE_COPIES interleaved copies of the tables; wide:
-    _IQ2_WIDE_GATE_UP, the weight words from aligned 8-byte loads) against the first gate/up
-    kernel: the same integer dots, so mid and the MoE output are the same bits."""
+    tables, one dp4a per word) against the first gate/up kernel: the same integer dots, so mid
+    and the MoE output are the same bits."""
     _assert_moe_decode_bits_unchanged(experts, moe_knobs, 17, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch,
                                       _RPB_GATE_UP=4, _NW_GATE_UP=6, _X_REGS_GATE_UP=x_regs,
-                                      _IQ2_PERM_GATE_UP=True, _IQ2_TABLE_COPIES=copies, _IQ2_WIDE_GATE_UP=wide)
+                                      _IQ2_PERM_GATE_UP=True)
 
 
 @pytest.mark.parametrize("n_embd", [768, 1024, 4608])
@@ -401,8 +398,6 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
     moe_knobs(_IQ2_PERM_GATE_UP=True)               # the byte-permute weights on the same rows
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
-    moe_knobs(_IQ2_WIDE_GATE_UP=True)               # and their words from aligned 8-byte loads
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
