@@ -958,7 +958,8 @@ class CudaEngine:
         if not self.use_graphs or self.n_ctx <= self.WARM_TOKENS:
             return
         saved, mark = self.snapshot(), self.source.mark()
-        chunks = [(0, min(self.prefill_chunk, self.n_ctx - 1))]
+        # one chunk of the size prefill_batched will use (smaller with a small expert cache)
+        chunks = [(0, min(self._prefill_chunk_limit(), self.n_ctx - 1))]
         past_threshold = 4 * self.spec.idx_topk + 4
         if past_threshold + self.WARM_TOKENS + 1 <= self.n_ctx:
             chunks.append((past_threshold, self.WARM_TOKENS))
