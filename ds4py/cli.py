@@ -34,7 +34,10 @@ def main() -> None:
     except Ds4Error as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemError) as e:
+        from ds4py.generate import is_interrupt
+        if not is_interrupt(e):
+            raise
         console.print("interrupted")
         sys.exit(130)
 

@@ -6,7 +6,8 @@ is new (ds4's prefix reuse, ds4-model.md §7). `generate` samples until EOS, the
 full context, calls `on_token` with each token as it comes, and times prefill and generation.
 Ctrl-C (KeyboardInterrupt) ends the current generation cleanly: the result says "interrupted", and
 if the interrupt landed inside an engine call (whose state is then half-updated) the session drops
-its cache so the next turn re-evaluates the transcript.
+its cache so the next turn re-evaluates the transcript. Inside a numba-compiled call the interrupt
+arrives wrapped (`is_interrupt`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class GenResult:
     def stats_line(self) -> str:
         """ds4's closing line."""
         return f"ds4py: prefill: {self.prefill_tps:.2f} t/s, generation: {self.gen_tps:.2f} t/s"
+
+
+def is_interrupt(exc: BaseException | None) -> bool:
+    """Ctrl-C, also when it lands inside a numba-compiled call: numba's dispatcher then raises
+    SystemError("... returned a result with an exception set") whose cause is the
+    KeyboardInterrupt (CI, session 19: the signal hit a lazily unpickled constant)."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class Session:
@@ -124,7 +138,9 @@ def generate(session: Session, prompt_ids: list[int], sampler, n_predict: int, e
                 break
             logits = session.decode(token)
         result.gen_s = clock() - t1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemError) as e:
+        if not is_interrupt(e):
+            raise
         result.stop = "interrupted"
         if result.prefill_s:
             result.gen_s = clock() - t0 - result.prefill_s

@@ -130,8 +130,9 @@ def test_tokenize(tiny_model):
 class ScriptedEngine:
     """Logits that make argmax follow a script; counts what it is asked to evaluate."""
 
-    def __init__(self, script, n_ctx=100, n_vocab=10, interrupt_at=None):
+    def __init__(self, script, n_ctx=100, n_vocab=10, interrupt_at=None, raise_at=None):
         self.script, self.n_ctx, self.n_vocab, self.interrupt_at = list(script), n_ctx, n_vocab, interrupt_at
+        self.raise_at = raise_at or (lambda: KeyboardInterrupt())      # what decode raises at interrupt_at
         self.n_past, self.evaluated, self.resets = 0, [], 0
 
     def reset(self):
@@ -149,7 +150,7 @@ class ScriptedEngine:
 
     def decode(self, token):
         if self.interrupt_at is not None and self.n_past == self.interrupt_at:
-            raise KeyboardInterrupt
+            raise self.raise_at()
         self.evaluated.append([token])
         self.n_past += 1
         return self._logits()
@@ -184,3 +185,29 @@ def test_generate_ctrl_c_stops_cleanly_and_resets_a_half_updated_state():
     assert r.stop == "interrupted" and r.tokens == [1, 1, 1]
     assert s.tokens == [] and eng.n_past == 0              # the interrupted decode left no state
     assert r.stats_line().startswith("ds4py: prefill: ")
+
+
+def _numba_wrapped_interrupt():
+    """What numba's dispatcher raises when Ctrl-C lands inside a compiled call (CI, session 19):
+    SystemError caused by SystemError caused by the KeyboardInterrupt."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as ki:
+            raise SystemError("<function _numba_unpickle> returned a result with an exception set") from ki
+    except SystemError as inner:
+        outer = SystemError("CPUDispatcher(<function hc_split_sinkhorn_rows>) returned a result with an exception set")
+        outer.__cause__ = inner
+        return outer
+
+
+def test_generate_ctrl_c_inside_a_numba_call_stops_cleanly():
+    eng = ScriptedEngine(script=[1] * 50, interrupt_at=4, raise_at=_numba_wrapped_interrupt)
+    s = Session(eng)
+    r = generate(s, [2, 3], Greedy(), 10, eos_id=9)
+    assert r.stop == "interrupted" and r.tokens == [1, 1, 1]
+    assert s.tokens == [] and eng.n_past == 0
+    # a SystemError that is not an interrupt is a bug: it propagates
+    eng = ScriptedEngine(script=[1] * 50, interrupt_at=4, raise_at=lambda: SystemError("something else"))
+    with pytest.raises(SystemError, match="something else"):
+        generate(Session(eng), [2, 3], Greedy(), 10, eos_id=9)
