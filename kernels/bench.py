@@ -497,7 +497,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
-             "_IQ2_PERM_GATE_UP")
+             "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
@@ -522,9 +522,26 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # SASS instructions against 2,784)
     shipped = (4, 6, 0, True, True, 4, 64, True, 0, 8)
     variants = [shipped + (False,), shipped + (True,)] + variants
+    # then the byte-permute kernel on rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP: one
+    # aligned 8-byte load and one 16-bit load per sub-block instead of five 16-bit loads; ptxas:
+    # 2,336 SASS, 16 loads per (row, slot) unit instead of 40): the arena's gate and up experts are
+    # rewritten for it and back after it
+    variants = [v + (False,) for v in variants]
+    variants[2:2] = [shipped + (True, True)]
+    n_rows = moe["n_exp"] * moe["n_ff"]
+    repacked = False
+
+    def relayout(to_repacked):
+        for o in (moe["og"], moe["ou"]):
+            CK.iq2_xxs_relayout(moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
+        cuda.synchronize()
+
     first = None
     try:
         for v in variants:
+            if v[11] != repacked:
+                relayout(v[11])
+                repacked = v[11]
             for n, value in zip(names, v):
                 setattr(CK, n, value)
             CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
@@ -539,12 +556,15 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["variant"] = dict(zip(names, v))
                 r["same_bits"] = same
                 res.append(r)
-                gu_const = (f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
+                gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
+                            + (" repacked" if v[11] else ""))
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "
                     f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} % {'same bits' if same else 'BITS DIFFER'}")
     finally:
+        if repacked:
+            relayout(False)
         for n, value in zip(names, saved):
             setattr(CK, n, value)
         CK._KERNELS.clear()

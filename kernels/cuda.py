@@ -1413,8 +1413,12 @@ def _pad_words(K):
 # decode matvecs are latency-bound without that. The per-row arithmetic (steps in order, one
 # f32 accumulator per lane group and token) does not depend on R, NCH or T.
 
-def _make_load_iq2_xxs():
+def _make_load_iq2_xxs(repacked_nsb=0):
+    """repacked_nsb > 0: rows of that many super-blocks in iq2_xxs_relayout's layout (every
+    super-block's 64 grid/sign bytes first, then the f16 scales; rows 8-byte aligned): a
+    sub-block's 8 bytes are one aligned 8-byte load and d one 16-bit load, the same words."""
     NWORDS = 3
+    NSBR = repacked_nsb
 
     @_inline
     def load(a16, a32, roff, sb, j, valid, raw, o):
@@ -1422,10 +1426,16 @@ def _make_load_iq2_xxs():
         raw[o + 1] = uint32(0)
         raw[o + 2] = uint32(0)
         if valid:
-            hsb = (roff >> 1) + 33 * sb
-            raw[o] = uint32(a16[_ix(hsb)])                 # f16 d
-            raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)    # 4 grid indices
-            raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)    # 4 x 7 sign bits, 4-bit scale
+            if NSBR:
+                raw[o] = uint32(a16[_ix((roff >> 1) + 32 * NSBR + sb)])
+                w0, w1 = ld_pair(a32, _ix((roff >> 2) + 16 * sb + 2 * j))
+                raw[o + 1] = w0
+                raw[o + 2] = w1
+            else:
+                hsb = (roff >> 1) + 33 * sb
+                raw[o] = uint32(a16[_ix(hsb)])                 # f16 d
+                raw[o + 1] = _u16pair(a16, hsb + 1 + 4 * j)    # 4 grid indices
+                raw[o + 2] = _u16pair(a16, hsb + 3 + 4 * j)    # 4 x 7 sign bits, 4-bit scale
 
     return load, NWORDS
 
@@ -1655,7 +1665,7 @@ _COMPUTERS = {F.IQ2_XXS: _make_compute_iq2_xxs, F.Q2_K: _make_compute_q2_k,
 _FINAL_SCALE = {F.IQ2_XXS: 0.125, F.Q2_K: 1.0, F.Q4_K: 1.0}
 
 
-def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
+def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, repacked=False):
     """One load chunk (up to NCH steps) of one row's dot with T tokens, in its two phases:
     load_chunk(..., c0, raw, o) fills raw[o:], dot_chunk(raw, o, ..., c0, ..., acc, ao) adds the
     chunk's terms to acc[ao + tt]. rowdots runs them chunk after chunk; a kernel may instead load
@@ -1667,7 +1677,9 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
     wholly inside the row needs no bound check (valid is the same boolean), and with x_regs the
     activation registers are indexed by the absolute step (xu = 8 (c0 + u)): a caller whose chunk
     loop has constant bounds gets it unrolled (c0 constant), the registers of every step live."""
-    load, NWORDS = _LOADERS[wtype]()
+    # repacked: IQ2_XXS rows of NSB super-blocks in iq2_xxs_relayout's layout
+    assert not repacked or (wtype == F.IQ2_XXS and NSB > 0)
+    load, NWORDS = _make_load_iq2_xxs(NSB) if repacked else _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
     assert not perm or wtype == F.IQ2_XXS
     compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
@@ -1699,7 +1711,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False):
     return load_chunk, dot_chunk, NCH * NWORDS
 
 
-def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
+def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, repacked=False):
     """Dot products of R rows (byte offsets roffs[r]) with T tokens each: res[r*T + tt].
 
     Row r uses tokens toks[r*T + tt] (index into xd / xbs) whose activation words start at
@@ -1708,7 +1720,7 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
     accumulate the super-block's f32 term; at the end a fixed butterfly (lane xor 16, 8) adds the
     4 groups. NSB > 0: rows of that many super-blocks (a compile-time constant; the chunk loop
     has constant bounds and unrolls)."""
-    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm)
+    load_chunk, dot_chunk, NCHUNK = _make_chunk_parts(wtype, T, NCH, x_regs, NSB, perm, repacked)
     scale = float32(_FINAL_SCALE[wtype])
     NACC = R * T                  # local array sizes must be plain constants for numba
     NRAW = R * NCHUNK
@@ -1736,10 +1748,10 @@ def _make_rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
 _ROWDOTS = {}
 
 
-def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False):
-    key = (wtype, T, R, NCH, x_regs, NSB, perm)
+def _rowdots(wtype, T, R, NCH, x_regs=False, NSB=0, perm=False, repacked=False):
+    key = (wtype, T, R, NCH, x_regs, NSB, perm, repacked)
     if key not in _ROWDOTS:
-        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm)
+        _ROWDOTS[key] = _make_rowdots(wtype, T, R, NCH, x_regs, NSB, perm, repacked)
     return _ROWDOTS[key]
 
 
@@ -1920,6 +1932,8 @@ _X_REGS_GATE_UP = True  # IQ2_XXS x in registers when a row is one chunk (else s
 _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-time constant: the
                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
+_IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_xxs_relayout's layout
+                               # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
@@ -1953,15 +1967,16 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, repacked=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
     argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
     registers those of every step of the row are held (chunks of NCH < all steps possible). The
     same loads, integers and f32 operations in the same order: the same bits. perm (IQ2_XXS):
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
-    and sign tables; the same integers."""
+    and sign tables; the same integers. repacked (IQ2_XXS, NSB > 0): the rows in
+    iq2_xxs_relayout's layout; the same words."""
     perm = perm and wtype == F.IQ2_XXS
-    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm)      # gate row and up row together
+    rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, repacked)   # gate row and up row together
     GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
     stage = _stages_x(wtype) and not x_regs
     tables = _stages_x(wtype)
@@ -3185,6 +3200,46 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
         int(stride_down), _flat(slot_offsets))
 
 
+@cuda.jit
+def _iq2_xxs_relayout_kernel(a8, off, n_rows, row_bytes, nsb, to_repacked):
+    """One block per row (grid-stride): the row into shared memory, then each byte to its place.
+    Position t of a repacked row holds: t < 64 nsb, byte 2 + (t % 64) of super-block t // 64 (its
+    grid indices and signs); else byte (i % 2) of super-block i // 2's f16 scale, i = t - 64 nsb."""
+    row_s = cuda.shared.array(0, uint8)
+    for row in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):     # block-uniform
+        base = off + row * row_bytes
+        for t in range(cuda.threadIdx.x, row_bytes, cuda.blockDim.x):
+            row_s[t] = a8[base + t]
+        cuda.syncthreads()
+        for t in range(cuda.threadIdx.x, row_bytes, cuda.blockDim.x):
+            if t < 64 * nsb:
+                old = 66 * (t >> 6) + 2 + (t & 63)
+            else:
+                i = t - 64 * nsb
+                old = 66 * (i >> 1) + (i & 1)
+            if to_repacked:
+                a8[base + t] = row_s[old]
+            else:
+                a8[base + old] = row_s[t]
+        cuda.syncthreads()
+
+
+def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
+    """Rewrite n_rows IQ2_XXS rows of K values at byte offset off (8-byte aligned) in place, into
+    (to_repacked) or back out of the layout that _IQ2_REPACKED_GATE_UP reads: each row's 64
+    grid/sign bytes of every super-block first, so a lane's sub-block is one aligned 8-byte
+    load, then the super-blocks' f16 scales. The row keeps its size (66 bytes per 256 values)."""
+    if off % 8:
+        raise ValueError("iq2_xxs_relayout needs 8-byte aligned rows")
+    row_bytes = F.row_bytes(F.IQ2_XXS, K)
+    if row_bytes % 8:
+        raise ValueError(f"IQ2_XXS rows of {K} values ({row_bytes} bytes) are not 8-byte multiples")
+    _, _, a8, _ = _arena_views(arena)
+    blocks = max(1, min(n_rows, 4096))
+    _iq2_xxs_relayout_kernel[blocks, 256, _stream(stream), row_bytes](a8, off, n_rows, row_bytes, K // 256,
+                                                                       bool(to_repacked))
+
+
 def _check_moe_types(gate_type, down_type):
     for t in (gate_type, down_type):
         if t not in _LOADERS:
@@ -3213,8 +3268,11 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
     perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm))
+    repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
+    if repacked and not NSB:
+        raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked))
     grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)

@@ -1,7 +1,8 @@
 """The MoE decode variants of kernels/cuda.py in numba's CUDA simulator, no GPU needed: gate/up with
 a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) and the slots down
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
-bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP; `... perm` runs those cases only).
+bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
+(_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
 the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
@@ -84,11 +85,21 @@ def _knobs(**kw):
     K._ROWDOTS.clear()
 
 
-def gate_up(n_embd, n_ff, n_used, seed):
+def gate_up(n_embd, n_ff, n_used, seed, repacked=False):
     rng = np.random.default_rng(seed)
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     arena, (og, ou) = _arena([gate, up])
+    if repacked:                  # the experts in iq2_xxs_relayout's layout, and back exactly
+        before = arena.copy_to_host()
+        for o in (og, ou):
+            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
+        moved = arena.copy_to_host()
+        for o in (og, ou):
+            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
+        assert np.array_equal(arena.copy_to_host(), before), "relayout there and back changed bytes"
+        assert not np.array_equal(moved, before)
+        arena = cuda.to_device(moved)
     stride = gate.shape[1] * gate.shape[2]
     so = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
     xq, xd, xbs = _q8k(rng.standard_normal(n_embd))
@@ -137,6 +148,18 @@ def main():
         print(f"{'ok ' if ok else 'BAD'} gate/up const steps: K {n_embd}, nch {nch or 'auto'}, "
               f"x {'registers' if x_regs else 'shared'}{', byte-permute weights' if perm else ''}", flush=True)
     _knobs(_IQ2_PERM_GATE_UP=False)
+    # the repacked rows (_IQ2_REPACKED_GATE_UP): one step (1024), 4 in chunks of 2 (2048 is 2 steps)
+    for n_embd, nch, x_regs in ((1024, 0, True), (2048, 1, True), (4096, 2, False)):
+        _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True,
+               _IQ2_PERM_GATE_UP=False, _IQ2_REPACKED_GATE_UP=False)
+        ref = gate_up(n_embd, 3, 2, 5)
+        _knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
+               _IQ2_REPACKED_GATE_UP=True)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 5, repacked=True), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up repacked rows: K {n_embd}, nch {nch or 'auto'}, "
+              f"x {'registers' if x_regs else 'shared'}, byte-permute weights", flush=True)
+    _knobs(_IQ2_PERM_GATE_UP=False, _IQ2_REPACKED_GATE_UP=False)
     if only == "perm":
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0

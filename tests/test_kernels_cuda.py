@@ -401,6 +401,39 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
+@pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
+def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
+    """_IQ2_REPACKED_GATE_UP (the byte-permute kernel reading rows that iq2_xxs_relayout rewrote:
+    each super-block's 64 grid/sign bytes first, then the scales) against the same kernel on the
+    file's layout, bit for bit; iq2_xxs_relayout there and back restores every byte."""
+    rng = _rng(21)
+    n_used, n_ff = 3, 20
+    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    arena, (og, ou) = _arena([gate, up])
+    stride = gate.shape[1] * gate.shape[2]
+    slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
+    xq, xd, xbs, _ = _prepare(F.IQ2_XXS, rng.standard_normal((1, n_embd)))
+    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
+
+    def mid():
+        out = cuda.device_array((n_used, n_ff), np.float32)
+        K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, out, bsums=xbs)
+        return out.copy_to_host()
+
+    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
+              _IQ2_REPACKED_GATE_UP=False)
+    want, before = mid(), arena.copy_to_host()
+    for o in (og, ou):
+        K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
+    assert not np.array_equal(arena.copy_to_host(), before)
+    moe_knobs(_IQ2_REPACKED_GATE_UP=True)
+    assert np.array_equal(mid(), want)
+    for o in (og, ou):
+        K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
+    assert np.array_equal(arena.copy_to_host(), before)
+
+
 @pytest.mark.parametrize("slots_rows", [0, 1, 8, 10, 16])
 @pytest.mark.parametrize("n_ff", [256, 2048, 5120])
 def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
