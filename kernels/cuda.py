@@ -3205,6 +3205,7 @@ def _iq2_xxs_relayout_kernel(a8, off, n_rows, row_bytes, nsb, to_repacked):
     """One block per row (grid-stride): the row into shared memory, then each byte to its place.
     Position t of a repacked row holds: t < 64 nsb, byte 2 + (t % 64) of super-block t // 64 (its
     grid indices and signs); else byte (i % 2) of super-block i // 2's f16 scale, i = t - 64 nsb."""
+    pdl_enter()
     row_s = cuda.shared.array(0, uint8)
     for row in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):     # block-uniform
         base = off + row * row_bytes
