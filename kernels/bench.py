@@ -240,7 +240,11 @@ def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s):
         CK.matmul_q4_k(arena, off, rows, K, n_tok, act.xq, act.xd, act.bs, out, s)
 
 
-def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES):
+def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, q8_repacked=False):
+    """Time each decode matvec shape (graph-replayed, rotating copies so L2 holds none). q8_repacked:
+    the Q8_0 matrices rewritten by q8_0_relayout and read by the _Q8_0_REPACKED kernel, whose
+    output must equal the file layout's bit for bit ("same bits" / "BITS DIFFER")."""
+    from . import cuda as CK
     cuda = _cuda()
     rows_out = []
     for name, t, rows, K in shapes:
@@ -256,16 +260,50 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES):
                 _launch_matmul(t, arena.buf, off, rows, K, 1, act, out, s)
 
         _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0)   # compile outside capture
-        g = timer.graph(launch)
-        med, best = timer.time_graph(g)
+        bits = ""
+        if q8_repacked and t == F.Q8_0:
+            want = out.copy_to_host()
+            for off in offs:
+                CK.q8_0_relayout(arena.buf, off, rows, K)
+            CK._Q8_0_REPACKED = True
+        try:
+            if CK._Q8_0_REPACKED:
+                _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0)
+                bits = " same bits" if np.array_equal(out.copy_to_host(), want) else " BITS DIFFER"
+            g = timer.graph(launch)
+            med, best = timer.time_graph(g)
+        finally:
+            CK._Q8_0_REPACKED = False
         us = med * 1e3 / copies
         gbs = wbytes / (us * 1e-6) / 1e9
         r = dict(name=name, type=F.TYPE_NAMES[t], rows=rows, K=K, weight_MB=wbytes / 1e6,
-                 us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies)
+                 us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies,
+                 repacked=bool(bits), same_bits=bits == " same bits")
         rows_out.append(r)
-        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %")
+        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %"
+            + (" repacked" + bits if bits else ""))
         del arena
     return rows_out
+
+
+def bench_tune_q8(timer, copy_bw, rng, log):
+    """The Q8_0 decode shapes in the file's layout and then in q8_0_relayout's (scales last, so a
+    lane's 8 quant bytes are one aligned load), alternating twice, each checked bit for bit."""
+    from . import cuda as CK
+    shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
+    res = []
+    saved = CK._Q8_0_U
+    try:
+        for rep, U, repacked in ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True),
+                                 (0, 2, True)):
+            CK._Q8_0_U = U
+            log(f"  [U={U}{' repacked' if repacked else ''}]")
+            for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes, q8_repacked=repacked):
+                r.update(rep=rep, U=U)
+                res.append(r)
+    finally:
+        CK._Q8_0_U = saved
+    return res
 
 
 def _moe_setup(rng, n_exp=256, n_embd=4096, n_ff=2048, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
@@ -734,6 +772,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["prefill"] = bench_prefill(timer, rng, log, moe)
     if "tune" in parts:
         res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
+    if "tune_q8" in parts:
+        res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

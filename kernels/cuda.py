@@ -341,14 +341,19 @@ def _cached(key, build):
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
+_Q8_0_REPACKED = False   # the arena's Q8_0 rows are in q8_0_relayout's layout (a candidate: kbench
+                         # tune_q8 relayouts its matrices; no source writes it, no prefill kernel reads it)
 
 
-def _make_q8_0_chunk(T, U):
+def _make_q8_0_chunk(T, U, repacked=False):
     """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
-    each lane has U*5 independent loads in flight (decode is latency-bound without that)."""
+    each lane has U*5 independent loads in flight (decode is latency-bound without that).
+    repacked: the row is in q8_0_relayout's layout and `a` is the arena's uint32 view: a lane's
+    8 quant bytes are one aligned 8-byte load and d one 16-bit load (2 loads per step, not 5),
+    the same words."""
 
     @_inline
-    def chunk_fn(a16, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
+    def chunk_fn(a, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
         q0 = cuda.local.array(U, uint32)
         q1 = cuda.local.array(U, uint32)
         wd = cuda.local.array(U, float32)
@@ -358,10 +363,16 @@ def _make_q8_0_chunk(T, U):
             q1[u] = uint32(0)
             wd[u] = float32(0.0)
             if b < nb:
-                hb = hrow + 17 * b
-                wd[u] = f16_bits_to_f32(a16[_ix(hb)])
-                q0[u] = _u16pair(a16, hb + 1 + 4 * t)
-                q1[u] = _u16pair(a16, hb + 3 + 4 * t)
+                if repacked:
+                    wd[u] = f16_bits_to_f32(ld_half(a, _ix(hrow + 16 * nb + b)))
+                    w0, w1 = ld_pair(a, _ix((hrow >> 1) + 8 * b + 2 * t))
+                    q0[u] = w0
+                    q1[u] = w1
+                else:
+                    hb = hrow + 17 * b
+                    wd[u] = f16_bits_to_f32(a[_ix(hb)])
+                    q0[u] = _u16pair(a, hb + 1 + 4 * t)
+                    q1[u] = _u16pair(a, hb + 3 + 4 * t)
         for tt in range(T):
             tok = tok0 + tt
             if T == 1 or tok < n_tok:          # warp-uniform
@@ -383,14 +394,14 @@ def _make_q8_0_chunk(T, U):
     return chunk_fn
 
 
-def _q8_0_kernel(S, T, U=_Q8_0_U):
+def _q8_0_kernel(S, T, U=_Q8_0_U, repacked=False):
     """Q8_0 rows for T tokens per block row, S warps per row (split-K). nchunks (chunks of U
     steps per row) comes from the host, and x_tok needs a division only for grouped launches:
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
     kbench on the H200, q_b 16.5 -> 14.6 us without it)."""
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    chunk_fn = _make_q8_0_chunk(T, U)
+    chunk_fn = _make_q8_0_chunk(T, U, repacked)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld, row_h0_b,
@@ -1262,8 +1273,13 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, nchunks)
     if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
+    repacked = _Q8_0_REPACKED
+    if repacked and (nb % 4 or any(off % 8 for off, _ in parts)):
+        raise ValueError("Q8_0: repacked rows need 8-byte aligned offsets and K a multiple of 128")
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1 and hc is None
+    if mma and repacked:
+        raise NotImplementedError("Q8_0: the tensor-core kernels read the file's layout only")
     if mma and staged is None:
         staged = _MMA_STAGED
     if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
@@ -1287,10 +1303,10 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    kernel = _cached(("q8_0", S, T, U), lambda: _q8_0_kernel(S, T, U))
+    kernel = _cached(("q8_0", S, T, U, repacked), lambda: _q8_0_kernel(S, T, U, repacked))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
+        _arena_views(arena)[1] if repacked else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
         n_tok, _flat(out), rows, off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
 
 
@@ -3201,10 +3217,11 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
 
 
 @cuda.jit
-def _iq2_xxs_relayout_kernel(a8, off, n_rows, row_bytes, nsb, to_repacked):
+def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, to_repacked):
     """One block per row (grid-stride): the row into shared memory, then each byte to its place.
-    Position t of a repacked row holds: t < 64 nsb, byte 2 + (t % 64) of super-block t // 64 (its
-    grid indices and signs); else byte (i % 2) of super-block i // 2's f16 scale, i = t - 64 nsb."""
+    The row's blocks are [2-byte f16 scale][payload bytes]. Position t of a repacked row holds:
+    t < payload * n_blocks, byte 2 + (t % payload) of block t // payload; else byte (i % 2) of
+    block i // 2's scale, i = t - payload * n_blocks."""
     pdl_enter()
     row_s = cuda.shared.array(0, uint8)
     for row in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):     # block-uniform
@@ -3213,11 +3230,11 @@ def _iq2_xxs_relayout_kernel(a8, off, n_rows, row_bytes, nsb, to_repacked):
             row_s[t] = a8[base + t]
         cuda.syncthreads()
         for t in range(cuda.threadIdx.x, row_bytes, cuda.blockDim.x):
-            if t < 64 * nsb:
-                old = 66 * (t >> 6) + 2 + (t & 63)
+            if t < payload * n_blocks:
+                old = (payload + 2) * (t // payload) + 2 + t % payload
             else:
-                i = t - 64 * nsb
-                old = 66 * (i >> 1) + (i & 1)
+                i = t - payload * n_blocks
+                old = (payload + 2) * (i >> 1) + (i & 1)
             if to_repacked:
                 a8[base + t] = row_s[old]
             else:
@@ -3225,20 +3242,33 @@ def _iq2_xxs_relayout_kernel(a8, off, n_rows, row_bytes, nsb, to_repacked):
         cuda.syncthreads()
 
 
-def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
-    """Rewrite n_rows IQ2_XXS rows of K values at byte offset off (8-byte aligned) in place, into
-    (to_repacked) or back out of the layout that _IQ2_REPACKED_GATE_UP reads: each row's 64
-    grid/sign bytes of every super-block first, so a lane's sub-block is one aligned 8-byte
-    load, then the super-blocks' f16 scales. The row keeps its size (66 bytes per 256 values)."""
+def _scales_last_relayout(arena, ggml_type, off, n_rows, K, to_repacked, stream):
+    """Rewrite n_rows rows of K values at byte offset off (8-byte aligned) in place, into
+    (to_repacked) or back out of the scales-last layout: the payload of every block first, so a
+    lane's quant bytes are aligned 8-byte loads, then the blocks' f16 scales. A row keeps its size."""
     if off % 8:
-        raise ValueError("iq2_xxs_relayout needs 8-byte aligned rows")
-    row_bytes = F.row_bytes(F.IQ2_XXS, K)
+        raise ValueError(f"{F.TYPE_NAMES[ggml_type]} relayout needs 8-byte aligned rows")
+    row_bytes = F.row_bytes(ggml_type, K)
     if row_bytes % 8:
-        raise ValueError(f"IQ2_XXS rows of {K} values ({row_bytes} bytes) are not 8-byte multiples")
+        raise ValueError(f"{F.TYPE_NAMES[ggml_type]} rows of {K} values ({row_bytes} bytes) are not 8-byte multiples")
+    block_values, block_bytes = F.BLOCK_GEOMETRY[ggml_type]
     _, _, a8, _ = _arena_views(arena)
     blocks = max(1, min(n_rows, 4096))
-    _iq2_xxs_relayout_kernel[blocks, 256, _stream(stream), row_bytes](a8, off, n_rows, row_bytes, K // 256,
-                                                                       bool(to_repacked))
+    _scales_last_relayout_kernel[blocks, 256, _stream(stream), row_bytes](
+        a8, off, n_rows, row_bytes, K // block_values, block_bytes - 2, bool(to_repacked))
+
+
+def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
+    """IQ2_XXS rows into (or back out of) the layout that _IQ2_REPACKED_GATE_UP reads: each
+    super-block's 64 grid/sign bytes first (a lane's sub-block is one 8-byte load), then the
+    scales (66 bytes per 256 values, as in the file)."""
+    _scales_last_relayout(arena, F.IQ2_XXS, off, n_rows, K, to_repacked, stream)
+
+
+def q8_0_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
+    """Q8_0 rows into (or back out of) the layout that _Q8_0_REPACKED reads: each block's 32
+    quants first (a lane's 8 bytes are one aligned load), then the scales (34 bytes per 32 values)."""
+    _scales_last_relayout(arena, F.Q8_0, off, n_rows, K, to_repacked, stream)
 
 
 def _check_moe_types(gate_type, down_type):

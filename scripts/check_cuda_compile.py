@@ -96,10 +96,12 @@ quant = {
  # _IQ2_PERM_GATE_UP: the weights from byte-permute selector tables (uint32[256], uint32[128])
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True), moe_dec[:-2] + (u32a, u32a)),
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
- "iq2_xxs_relayout": (lambda: qk._iq2_xxs_relayout_kernel, (u8a, i64, i64, i64, i64, b1)),
+ "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
+ # _Q8_0_REPACKED: the rows in q8_0_relayout's layout, read through the arena's uint32 view
+ "q8_0_rows (decode, repacked rows)": (lambda: qk._q8_0_kernel(1, 1, repacked=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then

@@ -3,6 +3,7 @@ a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) a
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
+Also the Q8_0 decode matvec on q8_0_relayout's rows (_Q8_0_REPACKED); `... q8` runs that only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
 the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
@@ -127,12 +128,46 @@ def down(n_ff, n_embd, n_used, seed, hc=False):
     return (out.copy_to_host(),) + ((hc_args[0].copy_to_host(),) if hc else ())
 
 
+def q8_0_repacked_same(rows, Kd, seed=3):
+    """matvec_q8_0 on rows that q8_0_relayout rewrote (_Q8_0_REPACKED) against the file layout,
+    bit for bit, and the relayout back restores every byte."""
+    rng = np.random.default_rng(seed)
+    arena, (off,) = _arena([TD.random_weights(F.Q8_0, (rows, Kd), rng)])
+    q, d = cpu.quantize_q8_0(rng.standard_normal(Kd).astype(np.float32))
+    xq, xd = cuda.to_device(q), cuda.to_device(d)
+
+    def run():
+        out = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(arena, off, rows, Kd, xq, xd, out)
+        return out.copy_to_host()
+
+    _knobs(_Q8_0_REPACKED=False)
+    want, before = run(), arena.copy_to_host()
+    K.q8_0_relayout(arena, off, rows, Kd)
+    moved = not np.array_equal(arena.copy_to_host(), before)
+    _knobs(_Q8_0_REPACKED=True)
+    got = run()
+    _knobs(_Q8_0_REPACKED=False)
+    K.q8_0_relayout(arena, off, rows, Kd, to_repacked=False)
+    return moved and np.array_equal(got, want) and np.array_equal(arena.copy_to_host(), before)
+
+
 def main():
     bad = 0
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8": those cases only
+    if only in ("", "q8"):
+        # one partial chunk (K 128: 4 blocks), two chunks with a partial step (K 1280: 40 blocks);
+        # 3 and 5 rows: split-K 8 and 4 warps per row
+        for rows, Kd in ((3, 128), (5, 1280)):
+            ok = q8_0_repacked_same(rows, Kd)
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} Q8_0 repacked rows: {rows} rows, K {Kd}", flush=True)
+        if only == "q8":
+            print("all Q8_0 simulator checks passed" if not bad else f"{bad} FAILED")
+            return 1 if bad else 0
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm": the _IQ2_PERM_GATE_UP cases only
     cases = ((1024, 0, True, False), (768, 0, True, False), (4608, 0, True, False), (4608, 1, True, False),
              (4096, 2, True, False), (4096, 2, False, False), (1024, 0, True, True), (768, 0, True, True),
              (4608, 1, False, True))

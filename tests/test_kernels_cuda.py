@@ -434,6 +434,42 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(arena.copy_to_host(), before)
 
 
+@pytest.mark.parametrize("rows,Kd", [(37, 128), (300, 1024), (2100, 4096), (64, 8192)])
+def test_q8_0_repacked_rows_same_bits(moe_knobs, rows, Kd):
+    """_Q8_0_REPACKED (the decode matvec reading rows that q8_0_relayout rewrote: each block's 32
+    quants first, then the scales) against the file layout's kernel, bit for bit, for one matrix,
+    a pair and a grouped launch (split-K S = 8, 8, 2 and 8 at these row counts); the relayout
+    there and back restores every byte."""
+    rng = _rng(23)
+    wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+    wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
+    arena, (oa, ob) = _arena([wa, wb])
+    xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
+    n_groups = 4 if rows % 4 == 0 else 1
+    xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
+
+    def outputs():
+        one = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one)
+        pair = cuda.device_array(rows + wb.shape[0], np.float32)
+        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair)
+        grouped = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped)
+        return [a.copy_to_host() for a in (one, pair, grouped)]
+
+    moe_knobs(_Q8_0_REPACKED=False)
+    want, before = outputs(), arena.copy_to_host()
+    for o, w in ((oa, wa), (ob, wb)):
+        K.q8_0_relayout(arena, o, w.shape[0], Kd)
+    assert not np.array_equal(arena.copy_to_host(), before)
+    moe_knobs(_Q8_0_REPACKED=True)
+    for got, exp in zip(outputs(), want):
+        assert np.array_equal(got, exp)
+    for o, w in ((oa, wa), (ob, wb)):
+        K.q8_0_relayout(arena, o, w.shape[0], Kd, to_repacked=False)
+    assert np.array_equal(arena.copy_to_host(), before)
+
+
 @pytest.mark.parametrize("slots_rows", [0, 1, 8, 10, 16])
 @pytest.mark.parametrize("n_ff", [256, 2048, 5120])
 def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
