@@ -362,7 +362,8 @@ class CudaEngine:
         n_rows = rows if rows is not None else info.ne[1]
         off = self.off(name) + row0 * info.row_bytes
         if info.ggml_type == GGML_Q8_0:
-            qk.matmul_q8_0(self.arena, off, n_rows, k, T, xq, xd, out, self.stream, hc=hc)
+            qk.matmul_q8_0(self.arena, off, n_rows, k, T, xq, xd, out, self.stream, hc=hc,
+                           scales_last=name in self.source.scales_last)
         elif info.ggml_type == GGML_F16:
             qk.matmul_f16(self.arena, off, n_rows, k, T, x_f32, out, self.stream)
         else:
@@ -373,16 +374,18 @@ class CudaEngine:
         both have the same type and row length (the usual case), two otherwise (one token only)."""
         a, b = self.info(name_a), self.info(name_b)
         rows_a, rows_b = a.ne[1], b.ne[1]
-        if a.ggml_type == b.ggml_type and a.ne[0] == b.ne[0] and a.ggml_type in (GGML_Q8_0, GGML_F16):
+        scales_last = self.source.scales_last
+        same_layout = (name_a in scales_last) == (name_b in scales_last)
+        if a.ggml_type == b.ggml_type and a.ne[0] == b.ne[0] and a.ggml_type in (GGML_Q8_0, GGML_F16) and same_layout:
             if a.ggml_type == GGML_Q8_0:
                 qk.matmul_q8_0_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
-                                    T, xq, xd, out, self.stream)
+                                    T, xq, xd, out, self.stream, scales_last=name_a in scales_last)
             else:
                 qk.matmul_f16_pair(self.arena, self.off(name_a), rows_a, self.off(name_b), rows_b, a.ne[0],
                                    T, x_f32, out, self.stream)
             return
         if T != 1:
-            raise NotImplementedError(f"{name_a} / {name_b}: batched pair of different types")
+            raise NotImplementedError(f"{name_a} / {name_b}: batched pair of different types or layouts")
         self._proj(name_a, x_f32, xq, xd, out[0, :rows_a], 1)
         self._proj(name_b, x_f32, xq, xd, out[0, rows_a:rows_a + rows_b], 1)
 
@@ -579,7 +582,8 @@ class CudaEngine:
         name = p + "attn_output_a.weight"
         if T == 1 and self.info(name).ggml_type == GGML_Q8_0:       # decode: the 8 groups in one launch
             qk.matvec_q8_0_grouped(self.arena, self.off(name), s.n_group * s.o_lora, group_in, s.n_group,
-                                   b.attn_q, b.attn_d, b.low, self.stream)
+                                   b.attn_q, b.attn_d, b.low, self.stream,
+                                   scales_last=name in self.source.scales_last)
         else:
             for g in range(s.n_group):
                 x0 = g * T * group_in

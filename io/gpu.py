@@ -123,6 +123,12 @@ def pinned_bytes(nbytes: int) -> np.ndarray:
     return whole[start:start + nbytes]          # a view: it keeps `whole` alive
 
 
+def rewrite_scales_last(arena, offset: int, n_rows: int, K: int, stream) -> None:
+    """Rewrite Q8_0 rows in VRAM into the scales-last layout (kernels/formats.py), on `stream`."""
+    from ds4py.kernels import cuda as qk
+    qk.q8_0_relayout(arena, offset, n_rows, K, stream=stream.numba)
+
+
 def wrap_device(ptr: int, nbytes: int, owner=None):
     """A numba device array over memory numba did not allocate (e.g. a registered host range)."""
     desc = {"shape": (int(nbytes),), "typestr": "|u1", "data": (int(ptr), False), "version": 3,

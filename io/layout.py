@@ -89,6 +89,44 @@ def spans_of(model: Model, names) -> list[tuple[int, int]]:
     return [model.file.tensors[n].span for n in names]
 
 
+# ---- the scales-last dense rows ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Rows at one arena offset that the source rewrites in the scales-last layout, once."""
+
+    arena_offset: int
+    n_rows: int
+    K: int
+    names: tuple[str, ...]           # every tensor whose bytes these are (aliases share one range)
+
+
+def scales_last_rewrites(model: Model, plan: ArenaPlan, names) -> list[Rewrite]:
+    """The dense tensors among `names` to keep scales-last in the arena (kernels/formats.py): those
+    that formats.scales_last_ok accepts, grouped by arena range. A range that any other tensor of
+    `names` overlaps without being exactly it (another type, a partial view) stays as it is."""
+    from ds4py.kernels import formats
+
+    infos = [model.file.tensors[n] for n in names]
+    by_span: dict[tuple[int, int], list] = {}
+    for info in infos:
+        by_span.setdefault(info.span, []).append(info)
+    spans = sorted(by_span)
+    out = []
+    end_before = 0                   # the furthest end of the spans before this one
+    for i, span in enumerate(spans):
+        group = by_span[span]
+        first = group[0]
+        overlaps = end_before > span[0] or (i + 1 < len(spans) and spans[i + 1][0] < span[1])
+        end_before = max(end_before, span[1])
+        if overlaps or len(first.ne) != 2 or any(g.ggml_type != first.ggml_type or g.ne != first.ne for g in group):
+            continue
+        off = plan.offset_of(span[0], first.nbytes)
+        if formats.scales_last_ok(first.ggml_type, first.ne[0], off):
+            out.append(Rewrite(off, first.ne[1], first.ne[0], tuple(g.name for g in group)))
+    return out
+
+
 # ---- routed experts ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ The GPU-facing interface (all three GPU sources):
                                         holds every dense tensor, and the expert slots or experts
     source.dense(name) -> (arena, byte_offset)          any non-routed tensor; never uploads
     source.dense_view(name) -> device uint8 view of that tensor's bytes
+    source.scales_last                  the dense tensors whose rows the source rewrote in VRAM in
+                                        the scales-last layout (kernels/formats.py; Q8_0 only): pass
+                                        `scales_last=name in source.scales_last` to the kernels
     source.expert_arena                 the array expert offsets point into (is source.arena)
     source.fetch_experts(layer, expert_ids, stream=None) -> np.int64[n, 3]
         byte offsets in the arena of the gate, up and down matrices of each requested expert
@@ -68,6 +71,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 REGISTER_WINDOW = 1 << 30        # page-lock the page cache this much at a time for a warm device load
 LOAD_PATHS = ("auto", "staged", "registered")
+# After the upload, rewrite the dense Q8_0 matrices in VRAM scales-last (kernels/formats.py): the
+# same bytes, which the GPU kernels read with wider loads. False keeps the file's layout (for A/B).
+SCALES_LAST = True
 
 
 @dataclass
@@ -199,6 +205,7 @@ class GpuSource:
         self._staging: list[np.ndarray] = []
         self.arena = None
         self.expert_arena = None
+        self.scales_last: frozenset[str] = frozenset()   # dense tensors whose rows are scales-last
         self._geometry = layout.expert_geometry(model)
         gpu.ensure_context()
         self.stream = gpu.Stream()
@@ -316,6 +323,17 @@ class GpuSource:
         self.gpu.register_host(addr, diskio.align_up(len(mm), diskio.PAGE))   # the mapping covers whole pages
         self._registered.append(addr)
         return addr
+
+    def _rewrite_scales_last(self) -> None:
+        """Rewrite the eligible dense Q8_0 matrices of the arena scales-last, each range once
+        (aliased tensors share one), and record their names in `scales_last`."""
+        if not SCALES_LAST:
+            return
+        rewrites = layout.scales_last_rewrites(self.model, self.plan, layout.dense_names(self.model))
+        for r in rewrites:
+            self.gpu.rewrite_scales_last(self.arena, r.arena_offset, r.n_rows, r.K, self.stream)
+        self.stream.synchronize()
+        self.scales_last = frozenset(n for r in rewrites for n in r.names)
 
     def _report_load(self, what: str) -> None:
         s = self.load_stats
@@ -478,6 +496,7 @@ class DeviceSource(GpuSource):
                 self._map_host(why)
                 return
             self._load_plan(self.plan, self.arena, "copying weights to VRAM")
+            self._rewrite_scales_last()
             self._report_load("device-resident")
         except BaseException:
             self.close()
@@ -648,6 +667,7 @@ class PageCacheSource(_ExpertCachingSource):
                 self._upload_registered(self.plan, self.arena, self._host_base, "copying dense weights to VRAM")
             else:
                 self._upload_plan(self.plan, self.arena, "copying dense weights to VRAM")
+            self._rewrite_scales_last()
             self._report_load("page-cache: dense weights in VRAM")
         except BaseException:
             self.close()
@@ -678,6 +698,7 @@ class StreamSource(_ExpertCachingSource):
         super().__init__(model, **kw)
         try:
             self._upload_plan(self.plan, self.arena, "copying dense weights to VRAM")
+            self._rewrite_scales_last()
             self._report_load("stream: dense weights in VRAM")
         except BaseException:
             self.close()

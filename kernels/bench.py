@@ -226,10 +226,10 @@ class _Act:
         cuda.synchronize()
 
 
-def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s):
+def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s, scales_last=False):
     from . import cuda as CK
     if t == F.Q8_0:
-        CK.matmul_q8_0(arena, off, rows, K, n_tok, act.xq, act.xd, out, s)
+        CK.matmul_q8_0(arena, off, rows, K, n_tok, act.xq, act.xd, out, s, scales_last=scales_last)
     elif t == F.F16:
         CK.matmul_f16(arena, off, rows, K, n_tok, act.x, out, s)
     elif t == F.IQ2_XXS:
@@ -240,9 +240,9 @@ def _launch_matmul(t, arena, off, rows, K, n_tok, act, out, s):
         CK.matmul_q4_k(arena, off, rows, K, n_tok, act.xq, act.xd, act.bs, out, s)
 
 
-def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, q8_repacked=False):
-    """Time each decode matvec shape (graph-replayed, rotating copies so L2 holds none). q8_repacked:
-    the Q8_0 matrices rewritten by q8_0_relayout and read by the _Q8_0_REPACKED kernel, whose
+def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True):
+    """Time each decode matvec shape (graph-replayed, rotating copies so L2 holds none). scales_last:
+    the Q8_0 matrices rewritten scales-last by q8_0_relayout (as the GPU sources keep them), whose
     output must equal the file layout's bit for bit ("same bits" / "BITS DIFFER")."""
     from . import cuda as CK
     cuda = _cuda()
@@ -255,33 +255,30 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, q8_repacked=False
         act = _Act(t, 1, K, rng)
         out = cuda.device_array(rows, np.float32)
 
+        sl = scales_last and t == F.Q8_0
+
         def launch(s):
             for off in offs:
-                _launch_matmul(t, arena.buf, off, rows, K, 1, act, out, s)
+                _launch_matmul(t, arena.buf, off, rows, K, 1, act, out, s, sl)
 
         _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0)   # compile outside capture
         bits = ""
-        if q8_repacked and t == F.Q8_0:
+        if sl:
             want = out.copy_to_host()
             for off in offs:
                 CK.q8_0_relayout(arena.buf, off, rows, K)
-            CK._Q8_0_REPACKED = True
-        try:
-            if CK._Q8_0_REPACKED:
-                _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0)
-                bits = " same bits" if np.array_equal(out.copy_to_host(), want) else " BITS DIFFER"
-            g = timer.graph(launch)
-            med, best = timer.time_graph(g)
-        finally:
-            CK._Q8_0_REPACKED = False
+            _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0, sl)
+            bits = " same bits" if np.array_equal(out.copy_to_host(), want) else " BITS DIFFER"
+        g = timer.graph(launch)
+        med, best = timer.time_graph(g)
         us = med * 1e3 / copies
         gbs = wbytes / (us * 1e-6) / 1e9
         r = dict(name=name, type=F.TYPE_NAMES[t], rows=rows, K=K, weight_MB=wbytes / 1e6,
                  us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies,
-                 repacked=bool(bits), same_bits=bits == " same bits")
+                 scales_last=bool(bits), same_bits=bits == " same bits")
         rows_out.append(r)
         log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %"
-            + (" repacked" + bits if bits else ""))
+            + (" scales-last" + bits if bits else ""))
         del arena
     return rows_out
 
@@ -294,11 +291,11 @@ def bench_tune_q8(timer, copy_bw, rng, log):
     res = []
     saved = CK._Q8_0_U
     try:
-        for rep, U, repacked in ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True),
+        for rep, U, scales_last in ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True),
                                  (0, 2, True)):
             CK._Q8_0_U = U
-            log(f"  [U={U}{' repacked' if repacked else ''}]")
-            for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes, q8_repacked=repacked):
+            log(f"  [U={U}{' scales-last' if scales_last else ''}]")
+            for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes, scales_last=scales_last):
                 r.update(rep=rep, U=U)
                 res.append(r)
     finally:
@@ -398,8 +395,10 @@ def bench_layer(timer, copy_bw, rng, log, moe):
     total = sum(r * F.row_bytes(t, k) for _, t, r, k, _ in proj)
     arena = Arena(total + 64 * 1024, seed=11)
     offs = {name: arena.place(t, r, k) for name, t, r, k, _ in proj}
+    for name, t, r, k, _ in proj:          # the Q8_0 rows scales-last, as the GPU sources keep them
+        if t == F.Q8_0:
+            CK.q8_0_relayout(arena.buf, offs[name], r, k)
 
-    def qbuf(K):
         x = cuda.to_device(rng.standard_normal(K).astype(np.float32))
         return x, cuda.device_array(K, np.int8), cuda.device_array(K // 32, np.float32)
 
@@ -423,7 +422,7 @@ def bench_layer(timer, copy_bw, rng, log, moe):
                 q, d = q[g * 4096:(g + 1) * 4096], d[g * 128:(g + 1) * 128]
             else:
                 _, q, d = acts[src]
-            CK.matvec_q8_0(arena.buf, offs[name], r, k, q, d, outs[name], s)
+            CK.matvec_q8_0(arena.buf, offs[name], r, k, q, d, outs[name], s, scales_last=True)
         step.full(s)
 
     launch(0)

@@ -341,14 +341,12 @@ def _cached(key, build):
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
-_Q8_0_REPACKED = False   # the arena's Q8_0 rows are in q8_0_relayout's layout (a candidate: kbench
-                         # tune_q8 relayouts its matrices; no source writes it, no prefill kernel reads it)
 
 
-def _make_q8_0_chunk(T, U, repacked=False):
+def _make_q8_0_chunk(T, U, scales_last=False):
     """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
     each lane has U*5 independent loads in flight (decode is latency-bound without that).
-    repacked: the row is in q8_0_relayout's layout and `a` is the arena's uint32 view: a lane's
+    scales_last: the row is in q8_0_relayout's layout and `a` is the arena's uint32 view: a lane's
     8 quant bytes are one aligned 8-byte load and d one 16-bit load (2 loads per step, not 5),
     the same words."""
 
@@ -363,7 +361,7 @@ def _make_q8_0_chunk(T, U, repacked=False):
             q1[u] = uint32(0)
             wd[u] = float32(0.0)
             if b < nb:
-                if repacked:
+                if scales_last:
                     wd[u] = f16_bits_to_f32(ld_half(a, _ix(hrow + 16 * nb + b)))
                     w0, w1 = ld_pair(a, _ix((hrow >> 1) + 8 * b + 2 * t))
                     q0[u] = w0
@@ -394,14 +392,14 @@ def _make_q8_0_chunk(T, U, repacked=False):
     return chunk_fn
 
 
-def _q8_0_kernel(S, T, U=_Q8_0_U, repacked=False):
+def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False):
     """Q8_0 rows for T tokens per block row, S warps per row (split-K). nchunks (chunks of U
     steps per row) comes from the host, and x_tok needs a division only for grouped launches:
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
     kbench on the H200, q_b 16.5 -> 14.6 us without it)."""
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    chunk_fn = _make_q8_0_chunk(T, U, repacked)
+    chunk_fn = _make_q8_0_chunk(T, U, scales_last)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld, row_h0_b,
@@ -618,7 +616,11 @@ def _exact_float(c):
 
 def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_REGS,
                             MT=_MMA_ST_ROWS // 16, NT=_MMA_ST_TOKS // 8, magic_c=_MMA_ST_MAGIC_C,
-                            cpa=_MMA_ST_CPASYNC):
+                            cpa=_MMA_ST_CPASYNC, scales_last=False):
+    """scales_last: the rows are in q8_0_relayout's layout. A step's 256 quant bytes and its 8
+    scales (16 bytes) are staged in the same 272 bytes of shared memory, quants first: the A
+    fragments are then aligned words (no funnel shift) and the scales the step's last 16 bytes.
+    The same bytes reach the same MMAs and sums: the same bits."""
     ROWS = 16 * MT                   # rows and tokens of the block tile
     TOKS = 8 * NT
     NE = 4 * MT * NT                 # sums per lane: (row tile, token tile, 4 MMA results)
@@ -665,6 +667,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         m = lane // LPR
         q = lane % LPR
         abase[0] = rbase[_ix(warp + 8 * m)] + 2 * q
+        abase[1] = rbase[_ix(warp + 8 * m)] + 4 * nb          # scales_last: the row's scales
         sa_o[0] = uint32((warp + 8 * m) * P32 + 4 * q)
         m = lane // LPT
         q = lane % LPT
@@ -678,10 +681,14 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
     @_inline
     def issue_lean(sa, sb, sxd, a64, xq64, xd, st, lane, tid, abase, sa_o, bbase, sb_o, dpos, buf):
         """Step st's chunks as asynchronous copies into staging buffer buf (lean_bases)."""
-        ga = abase[0] + int64(34) * int64(st)
+        ga = abase[0] + int64(32 if scales_last else 34) * int64(st)
         for j in range(L_AJ):
             if j < L_AJ - 1 or L_ALAST == LPR or lane % LPR < L_ALAST:
-                cp_async16_at(sa, sa_o[0], buf * SA_N + 4 * LPR * j, a64, ga, uint32(2 * LPR * j))
+                if scales_last and j == L_AJ - 1 and lane % LPR == L_ALAST - 1:   # chunk 16: the scales
+                    cp_async16_at(sa, sa_o[0], buf * SA_N + 4 * LPR * j, a64, abase[1] + int64(2) * int64(st),
+                                  uint32(0))
+                else:
+                    cp_async16_at(sa, sa_o[0], buf * SA_N + 4 * LPR * j, a64, ga, uint32(2 * LPR * j))
         gb = uint32(bbase[0] + uint32(32 * st))
         for j in range(L_BJ):
             cp_async16_at(sb, sb_o[0], buf * SB_N + 2 * LPT * j, xq64, gb, uint32(2 * LPT * j))
@@ -694,9 +701,13 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         8-byte word l; words 32 and 33 of the warp's rows in one more load, two lanes a row) and
         tokens w, w + 8, ... (256 bytes, word l); thread t one activation scale."""
         for m in range(RPW):
-            pa[m] = a64[_ix(rbase[_ix(warp + 8 * m)] + 34 * st + lane)]
+            pa[m] = a64[_ix(rbase[_ix(warp + 8 * m)] + (32 if scales_last else 34) * st + lane)]
         if lane < 2 * RPW:
-            pa[RPW] = a64[_ix(rbase[_ix(warp + 8 * (lane >> 1))] + 34 * st + 32 + (lane & 1))]
+            r = rbase[_ix(warp + 8 * (lane >> 1))]
+            if scales_last:
+                pa[RPW] = a64[_ix(r + 4 * nb + 2 * st + (lane & 1))]
+            else:
+                pa[RPW] = a64[_ix(r + 34 * st + 32 + (lane & 1))]
         for m in range(TPW):
             tok = min(tok0 + warp + 8 * m, n_tok - 1)
             pb[m] = xq64[_ix(tok * (4 * nb) + 32 * st + lane)]
@@ -727,6 +738,8 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         16: the quants of a block start 2 bytes into a word for even g): (low word, high word)."""
         x0 = sa[_ix(o)]
         x1 = sa[_ix(o + 1)]
+        if scales_last:                 # the quants start on a word
+            return x0, x1
         x2 = sa[_ix(o + 2)]
         return funnel_r(x0, x1, sh), funnel_r(x1, x2, sh)
 
@@ -883,6 +896,10 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
         sh = 8 * ((34 * g + 2) & 3)                 # (32-bit word, bit offset: 16 for even g)
         d_word = (34 * g) >> 2                      # and its f16 scale (low or high half)
         d_sh = 16 * (g & 1)
+        if scales_last:                             # quants in words 0-63, the 8 scales in 64-67
+            q_word = 8 * g
+            sh = 0
+            d_word = 64 + (g >> 1)
         row0 = cuda.blockIdx.x * ROWS
         tok0 = cuda.blockIdx.y * TOKS
         if tid < ROWS:                      # where each staged row starts (uint64 words)
@@ -903,7 +920,7 @@ def _q8_0_mma_staged_kernel(S, U, prefetch=_MMA_ST_PREFETCH, max_regs=_MMA_ST_RE
             acc[e] = float32(0.0)
         # split pass w takes chunks w, w + S, ... (the dp4a kernel's round robin), U steps each
         if cpa:
-            abase = cuda.local.array(1, int64)      # the lane's first chunk (lean_bases)
+            abase = cuda.local.array(2, int64)      # the lane's first chunk, its row's scales (lean_bases)
             sa_o = cuda.local.array(1, uint32)
             bbase = cuda.local.array(1, uint32)
             sb_o = cuda.local.array(1, uint32)
@@ -1248,12 +1265,13 @@ def _hc_args(hc):
 
 
 def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=None, hc=None,
-                 staged=None):
+                 staged=None, scales_last=False):
     """Q8_0 rows of one or two matrices `parts` = [(byte offset, rows), ...] in one launch:
     out[t] = concat(W_a · X[t], W_b · X[t]). With x_groups > 1 (one token), the rows split into
     x_groups equal groups and group k reads X's k-th K-slice (the grouped output projection).
     hc = (state, f_b, post, comb), one token and one matrix of n_embd rows: the HC post of each
-    dim as soon as its output is written (hc_post_dim), instead of an hc_post launch."""
+    dim as soon as its output is written (hc_post_dim), instead of an hc_post launch.
+    scales_last: every matrix's rows are in q8_0_relayout's layout (formats.scales_last_ok)."""
     if K % 32 or any(off % 2 for off, _ in parts):
         raise ValueError("Q8_0: offset must be even and K a multiple of 32")
     rows = sum(r for _, r in parts)
@@ -1273,23 +1291,23 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, nchunks)
     if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
-    repacked = _Q8_0_REPACKED
-    if repacked and (nb % 4 or any(off % 8 for off, _ in parts)):
-        raise ValueError("Q8_0: repacked rows need 8-byte aligned offsets and K a multiple of 128")
+    if scales_last and not all(F.scales_last_ok(F.Q8_0, K, off) for off, _ in parts):
+        raise ValueError("Q8_0: scales-last rows need 16-byte aligned offsets and K a multiple of 256")
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1 and hc is None
-    if mma and repacked:
-        raise NotImplementedError("Q8_0: the tensor-core kernels read the file's layout only")
     if mma and staged is None:
         staged = _MMA_STAGED
+    if mma and scales_last and not staged:
+        raise NotImplementedError("Q8_0: the direct tensor-core kernel reads the file's layout only")
     if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
         # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
         R, T, regs, pf, mc = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH, _MMA_ST_MAGIC_C
         # the cp.async staging: weight rows and activation rows on 16-byte boundaries
         cpa = bool(_MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
             xq.__cuda_array_interface__["data"][0] % 16 == 0)
-        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa),
-                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa))
+        sl = bool(scales_last)
+        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa, sl),
+                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa, sl))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),
@@ -1303,46 +1321,48 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    kernel = _cached(("q8_0", S, T, U, repacked), lambda: _q8_0_kernel(S, T, U, repacked))
+    sl = bool(scales_last)
+    kernel = _cached(("q8_0", S, T, U, sl), lambda: _q8_0_kernel(S, T, U, sl))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        _arena_views(arena)[1] if repacked else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
+        _arena_views(arena)[1] if sl else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
         n_tok, _flat(out), rows, off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
 
 
-def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None):
+def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None, scales_last=False):
     """out[t, r] = W[r] . X[t] for Q8_0 weights at arena[off:], X given Q8_0-quantized
     (xq int8[n_tok*K], xd f32[n_tok*K/32]); out f32[n_tok, rows] (row-major, contiguous). hc: see
-    _launch_q8_0 (one token)."""
-    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, hc=hc)
+    _launch_q8_0 (one token). scales_last: the rows are in q8_0_relayout's layout (every Q8_0
+    launcher takes it)."""
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, hc=hc, scales_last=scales_last)
 
 
-def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0, staged=None):
+def matmul_q8_0_mma(arena, off, rows, K, n_tok, xq, xd, out, stream=0, staged=None, scales_last=False):
     """matmul_q8_0 on the int8 tensor cores (the same numbers bit for bit; any n_tok). staged:
     the shared-memory kernel (None: where it applies and _MMA_STAGED), or the direct one."""
-    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, mma=True, staged=staged)
+    _launch_q8_0(arena, [(off, rows)], K, n_tok, xq, xd, out, stream, mma=True, staged=staged, scales_last=scales_last)
 
 
-def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
+def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0, scales_last=False):
     """out[r] = W[r] . x for Q8_0 weights; x given Q8_0-quantized (xq int8[K], xd f32[K/32])."""
-    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream)
+    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream, scales_last=scales_last)
 
 
-def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0):
+def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0, scales_last=False):
     """Two Q8_0 matrices with the same input in one launch: out = concat(A · x, B · x)."""
-    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, xq, xd, out, stream)
+    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, 1, xq, xd, out, stream, scales_last=scales_last)
 
 
-def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0):
+def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0, scales_last=False):
     """Two Q8_0 matrices with the same n_tok inputs in one launch: out[t] = concat(A · X[t], B · X[t])
     (out f32[n_tok, rows_a + rows_b]); with n_tok = 1 it is matvec_q8_0_pair."""
-    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, xq, xd, out, stream)
+    _launch_q8_0(arena, [(off_a, rows_a), (off_b, rows_b)], K, n_tok, xq, xd, out, stream, scales_last=scales_last)
 
 
-def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0):
+def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0, scales_last=False):
     """Grouped projection in one launch: rows split into n_groups equal groups, group k computes
     W[group k rows] · x[k*K:(k+1)*K] (x holds n_groups*K values)."""
-    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream, x_groups=n_groups)
+    _launch_q8_0(arena, [(off, rows)], K, 1, xq, xd, out, stream, x_groups=n_groups, scales_last=scales_last)
 
 
 def _launch_f16(arena, parts, K, n_tok, X, out, stream):

@@ -63,6 +63,31 @@ def activation_kind(ggml_type: int) -> str:
     raise ValueError(f"no matmul for ggml type {ggml_type}")
 
 
+# --- the scales-last row layout ------------------------------------------------------------
+#
+# A Q8_0 row in the file is nb blocks of [f16 scale][32 quants]: 34-byte blocks, so a GPU lane
+# reads its quants as 2-byte pieces. In VRAM the GPU sources may rewrite a row in place as
+# [32 nb quants][nb f16 scales] (the same bytes, the same row size): a lane's 8 quant bytes are
+# then one aligned 8-byte load (the decode matvec: 2 loads per step instead of 5; H200 kbench:
+# the 35 MB projections 58-61 -> 62-68 % of the copy bandwidth). The kernels take the layout per
+# launch (`scales_last=`); the CPU engine and host-mapped weights keep the file's layout.
+
+SCALES_LAST_ALIGN = 16       # the prefill kernel stages rows with 16-byte copies
+
+
+def scales_last_ok(ggml_type: int, K: int, offset: int) -> bool:
+    """Whether a tensor of rows of K values at a (VRAM) byte offset may be kept scales-last: Q8_0,
+    whole steps of 8 blocks (every kernel's step) and rows on 16-byte boundaries."""
+    return ggml_type == Q8_0 and K % 256 == 0 and offset % SCALES_LAST_ALIGN == 0
+
+
+def to_scales_last(rows: np.ndarray) -> np.ndarray:
+    """Q8_0 rows (uint8[n_rows, row_bytes], the file's layout) in the scales-last layout."""
+    n_rows, nbytes = rows.shape
+    blocks = rows.reshape(n_rows, nbytes // 34, 34)
+    return np.concatenate([blocks[:, :, 2:].reshape(n_rows, -1), blocks[:, :, :2].reshape(n_rows, -1)], axis=1)
+
+
 # --- IQ2_XXS tables -------------------------------------------------------------------------
 
 GRID_LEVELS = (0x08, 0x19, 0x2B)   # the three magnitudes a grid byte can take

@@ -100,8 +100,9 @@ quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
- # _Q8_0_REPACKED: the rows in q8_0_relayout's layout, read through the arena's uint32 view
- "q8_0_rows (decode, repacked rows)": (lambda: qk._q8_0_kernel(1, 1, repacked=True), (u32a,) + q8_rows[1:]),
+ # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view
+ "q8_0_rows (decode, scales-last rows)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True), (u32a,) + q8_rows[1:]),
+ "q8_0_rows (decode, split-K 4, scales-last rows)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then
@@ -118,6 +119,10 @@ quant = {
                                                              (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=True),
                                                                        (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
+ "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async, scales-last rows)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=True, scales_last=True),
+                                                                                         (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
+ "q8_0_rows_mma_staged (prefill, split-K 4, magic C, scales-last rows)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, magic_c=True, cpa=False, scales_last=True),
+                                                                          (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "q8_0_rows_mma_staged (prefill, split-K 4, magic C, lean cp.async, 64x16)": (lambda: qk._q8_0_mma_staged_kernel(4, qk._Q8_0_U, MT=4, NT=2, magic_c=True, cpa=True),
                                                                               (u64a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64), qk._MMA_ST_REGS),
  "f16_rows (decode)": (lambda: qk._f16_kernel(1, 1, 1),

@@ -54,7 +54,7 @@ class HostQuantKernels:
             self.n_ff = n_ff
 
     @staticmethod
-    def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0):
+    def matvec_q8_0(arena, off, rows, K, xq, xd, out, stream=0, scales_last=False):
         w = _host_arena(arena)[off:off + rows * (K // 32) * 34].reshape(rows, K // 32, 34)
         wd = w[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         wq = w[:, :, 2:].copy().view(np.int8).astype(np.int32)
@@ -75,7 +75,7 @@ class HostQuantKernels:
         d.copy_to_device(scales)
 
     @staticmethod
-    def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0):
+    def matvec_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, xq, xd, out, stream=0, scales_last=False):
         HostQuantKernels.matvec_q8_0(arena, off_a, rows_a, K, xq, xd, out[:rows_a])
         HostQuantKernels.matvec_q8_0(arena, off_b, rows_b, K, xq, xd, out[rows_a:rows_a + rows_b])
 
@@ -85,7 +85,7 @@ class HostQuantKernels:
         HostQuantKernels.matvec_f16(arena, off_b, rows_b, K, x, out[rows_a:rows_a + rows_b])
 
     @staticmethod
-    def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0):
+    def matvec_q8_0_grouped(arena, off, rows, K, n_groups, xq, xd, out, stream=0, scales_last=False):
         per = rows // n_groups
         for g in range(n_groups):
             HostQuantKernels.matvec_q8_0(arena, off + g * per * (K // 32) * 34, per, K, xq[g * K:(g + 1) * K],
@@ -125,7 +125,7 @@ class HostQuantKernels:
                                         f_b.reshape(1, n_embd), post.reshape(1, n_hc), comb.reshape(1, n_hc * n_hc))
 
     @staticmethod
-    def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None):
+    def matmul_q8_0(arena, off, rows, K, n_tok, xq, xd, out, stream=0, hc=None, scales_last=False):
         H = HostQuantKernels
         H._put(out, H._q8_0_rows(arena, off, rows, K, xq, xd))
         if hc is not None:
@@ -137,7 +137,7 @@ class HostQuantKernels:
         H._put(out, H._f16_rows(arena, off, rows, K, X))
 
     @staticmethod
-    def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0):
+    def matmul_q8_0_pair(arena, off_a, rows_a, off_b, rows_b, K, n_tok, xq, xd, out, stream=0, scales_last=False):
         H = HostQuantKernels
         H._put(out, np.concatenate([H._q8_0_rows(arena, off_a, rows_a, K, xq, xd),
                                     H._q8_0_rows(arena, off_b, rows_b, K, xq, xd)], axis=1))
@@ -232,6 +232,7 @@ class FileArenaSource:
         self.model = model
         self.arena = cuda.to_device(np.frombuffer(model.file.mm, dtype=np.uint8))
         self.expert_arena = self.arena
+        self.scales_last = frozenset()   # the file's layout: the host stand-ins read it
 
     def dense(self, name):
         return self.arena, self.model.file.tensors[name].offset

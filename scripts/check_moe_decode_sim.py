@@ -3,7 +3,7 @@ a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) a
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
-Also the Q8_0 decode matvec on q8_0_relayout's rows (_Q8_0_REPACKED); `... q8` runs that only.
+Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True); `... q8` runs that only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
 the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
@@ -129,25 +129,22 @@ def down(n_ff, n_embd, n_used, seed, hc=False):
 
 
 def q8_0_repacked_same(rows, Kd, seed=3):
-    """matvec_q8_0 on rows that q8_0_relayout rewrote (_Q8_0_REPACKED) against the file layout,
+    """matvec_q8_0 on rows that q8_0_relayout rewrote (scales_last=True) against the file layout,
     bit for bit, and the relayout back restores every byte."""
     rng = np.random.default_rng(seed)
     arena, (off,) = _arena([TD.random_weights(F.Q8_0, (rows, Kd), rng)])
     q, d = cpu.quantize_q8_0(rng.standard_normal(Kd).astype(np.float32))
     xq, xd = cuda.to_device(q), cuda.to_device(d)
 
-    def run():
+    def run(scales_last):
         out = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0(arena, off, rows, Kd, xq, xd, out)
+        K.matvec_q8_0(arena, off, rows, Kd, xq, xd, out, scales_last=scales_last)
         return out.copy_to_host()
 
-    _knobs(_Q8_0_REPACKED=False)
-    want, before = run(), arena.copy_to_host()
+    want, before = run(False), arena.copy_to_host()
     K.q8_0_relayout(arena, off, rows, Kd)
     moved = not np.array_equal(arena.copy_to_host(), before)
-    _knobs(_Q8_0_REPACKED=True)
-    got = run()
-    _knobs(_Q8_0_REPACKED=False)
+    got = run(True)
     K.q8_0_relayout(arena, off, rows, Kd, to_repacked=False)
     return moved and np.array_equal(got, want) and np.array_equal(arena.copy_to_host(), before)
 
@@ -156,9 +153,9 @@ def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8": those cases only
     if only in ("", "q8"):
-        # one partial chunk (K 128: 4 blocks), two chunks with a partial step (K 1280: 40 blocks);
-        # 3 and 5 rows: split-K 8 and 4 warps per row
-        for rows, Kd in ((3, 128), (5, 1280)):
+        # one chunk (K 256: one step), two chunks with a partial one (K 1280: 5 steps); 3 and 5
+        # rows: split-K 1 and 2 warps per row
+        for rows, Kd in ((3, 256), (5, 1280)):
             ok = q8_0_repacked_same(rows, Kd)
             bad += not ok
             print(f"{'ok ' if ok else 'BAD'} Q8_0 repacked rows: {rows} rows, K {Kd}", flush=True)

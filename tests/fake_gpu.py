@@ -25,6 +25,7 @@ class FakeGpu:
         self.allocations: list[np.ndarray] = []
         self.h2d_bytes = 0
         self.copies_from_unpinned = 0
+        self.rewrites: list[tuple[int, int, int]] = []     # (arena offset, rows, K) of rewrite_scales_last
 
     # ---- context, memory ------------------------------------------------------------------------
     def ensure_context(self):
@@ -106,8 +107,26 @@ class FakeGpu:
     def _is_pinned(self, addr, nbytes):
         return any(a <= addr and addr + nbytes <= a + n for a, n in self.pinned.items())
 
+    def rewrite_scales_last(self, arena, offset, n_rows, K, stream):
+        from ds4py.kernels import formats
+        nbytes = n_rows * formats.row_bytes(formats.Q8_0, K)
+        rows = arena[offset:offset + nbytes].reshape(n_rows, -1)
+        arena[offset:offset + nbytes] = formats.to_scales_last(rows).reshape(-1)
+        self.rewrites.append((offset, n_rows, K))
+
     def copy_htod_async(self, dst_ptr, src_addr, nbytes, stream):
         if not self._is_pinned(src_addr, nbytes):
             self.copies_from_unpinned += 1
         ctypes.memmove(dst_ptr, src_addr, nbytes)
         self.h2d_bytes += nbytes
+
+
+def resident_bytes(src, model, name):
+    """The bytes a GPU source's arena holds for a dense tensor: the file's, rewritten scales-last
+    where the source says so (src.scales_last)."""
+    from ds4py.kernels import formats
+    want = model.file.bytes_view(name)
+    if name in src.scales_last:
+        info = model.file.tensors[name]
+        want = formats.to_scales_last(want.reshape(info.ne[1], -1)).reshape(-1)
+    return want

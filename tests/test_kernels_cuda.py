@@ -434,12 +434,12 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(arena.copy_to_host(), before)
 
 
-@pytest.mark.parametrize("rows,Kd", [(37, 128), (300, 1024), (2100, 4096), (64, 8192)])
-def test_q8_0_repacked_rows_same_bits(moe_knobs, rows, Kd):
-    """_Q8_0_REPACKED (the decode matvec reading rows that q8_0_relayout rewrote: each block's 32
-    quants first, then the scales) against the file layout's kernel, bit for bit, for one matrix,
-    a pair and a grouped launch (split-K S = 8, 8, 2 and 8 at these row counts); the relayout
-    there and back restores every byte."""
+@pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1024), (2100, 4096), (64, 8192)])
+def test_q8_0_scales_last_rows_same_bits(moe_knobs, rows, Kd):
+    """Q8_0 rows that q8_0_relayout rewrote scales-last (formats.to_scales_last's bytes) give the
+    file layout's results bit for bit: the decode matvec (one matrix, a pair, a grouped launch;
+    split-K S = 8, 8, 2, 8 at these row counts) and the staged tensor-core prefill (cp.async and
+    register staging, 40 tokens); the relayout back restores every byte."""
     rng = _rng(23)
     wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
     wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
@@ -447,23 +447,31 @@ def test_q8_0_repacked_rows_same_bits(moe_knobs, rows, Kd):
     xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
     n_groups = 4 if rows % 4 == 0 else 1
     xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
+    n_tok = 40
+    xtq, xtd, _, _ = _prepare(F.Q8_0, rng.standard_normal((n_tok, Kd)))
 
-    def outputs():
+    def outputs(sl):
         one = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one)
+        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=sl)
         pair = cuda.device_array(rows + wb.shape[0], np.float32)
-        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair)
+        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair, scales_last=sl)
         grouped = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped)
-        return [a.copy_to_host() for a in (one, pair, grouped)]
+        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped, scales_last=sl)
+        got = [a.copy_to_host() for a in (one, pair, grouped)]
+        for cpa in (True, False):
+            moe_knobs(_MMA_ST_CPASYNC=cpa)
+            many = cuda.device_array((n_tok, rows + wb.shape[0]), np.float32)
+            K.matmul_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, n_tok, xtq, xtd, many, scales_last=sl)
+            got.append(many.copy_to_host())
+        return got
 
-    moe_knobs(_Q8_0_REPACKED=False)
-    want, before = outputs(), arena.copy_to_host()
+    want, before = outputs(False), arena.copy_to_host()
     for o, w in ((oa, wa), (ob, wb)):
         K.q8_0_relayout(arena, o, w.shape[0], Kd)
-    assert not np.array_equal(arena.copy_to_host(), before)
-    moe_knobs(_Q8_0_REPACKED=True)
-    for got, exp in zip(outputs(), want):
+    after = arena.copy_to_host()
+    for o, w in ((oa, wa), (ob, wb)):
+        assert np.array_equal(after[o:o + w.size], F.to_scales_last(w.reshape(w.shape[0], -1)).reshape(-1))
+    for got, exp in zip(outputs(True), want):
         assert np.array_equal(got, exp)
     for o, w in ((oa, wa), (ob, wb)):
         K.q8_0_relayout(arena, o, w.shape[0], Kd, to_repacked=False)

@@ -431,7 +431,7 @@ def test_host_registrations_are_shared(monkeypatch):
 
 # ---- the GPU sources' logic, on a numpy stand-in for the device -----------------------------------------
 
-from fake_gpu import FakeGpu  # noqa: E402
+from fake_gpu import FakeGpu, resident_bytes  # noqa: E402
 
 from ds4py.io import sources  # noqa: E402
 
@@ -447,7 +447,7 @@ def _check_dense(src, m):
             continue
         arena, off = src.dense(name)
         assert arena is src.arena
-        assert np.array_equal(np.asarray(arena[off:off + t.nbytes]), m.file.bytes_view(name)), name
+        assert np.array_equal(np.asarray(arena[off:off + t.nbytes]), resident_bytes(src, m, name)), name
 
 
 def _check_experts(src, m, layer, ids):
@@ -492,6 +492,61 @@ def test_device_source_holds_every_byte_and_first_request_uploads_nothing(tiny, 
     assert any("device-resident" in line and "GB/s" in line for line in lines)
 
 
+def test_device_source_keeps_eligible_q8_0_matrices_scales_last(tiny):
+    """Every dense Q8_0 matrix with K % 256 == 0 is rewritten scales-last, once, and named in
+    src.scales_last; the others (tiny: K = 128) keep the file's bytes (_check_dense checks both)."""
+    from ds4py.kernels import formats
+    gpu = FakeGpu()
+    src = sources.DeviceSource(tiny, gpu=gpu, progress=False, log=lambda s: None)
+    want = {n for n in layout.dense_names(tiny) if tiny.file.tensors[n].ggml_type == formats.Q8_0
+            and tiny.file.tensors[n].ne[0] % 256 == 0}
+    assert src.scales_last == want and "output.weight" in want
+    assert any(tiny.file.tensors[n].ggml_type == formats.Q8_0 and n not in want for n in layout.dense_names(tiny))
+    assert len(gpu.rewrites) == len(want)                   # no tensor aliases another in this file
+    _check_dense(src, tiny)
+    src.close()
+    sources.SCALES_LAST = False
+    try:
+        plain = sources.DeviceSource(tiny, gpu=FakeGpu(), progress=False, log=lambda s: None)
+        assert not plain.scales_last
+        _check_dense(plain, tiny)
+        plain.close()
+    finally:
+        sources.SCALES_LAST = True
+
+
+def test_aliased_matrices_are_rewritten_once(tmp_path):
+    """--alias per-role: the layers' matrices share one range, which is rewritten once and every
+    alias is named; a range that another tensor overlaps partially is left alone."""
+    from ds4py import synth
+    from ds4py.kernels import formats
+    path = tmp_path / "aliased.gguf"
+    synth.build_model(str(path), "tiny", "per-role", seed=0)
+    m = open_model(path)
+    try:
+        gpu = FakeGpu()
+        src = sources.DeviceSource(m, gpu=gpu, progress=False, log=lambda s: None)
+        q_a = {n for n in src.scales_last if n.endswith("attn_q_a.weight")}
+        assert len(q_a) == m.spec.n_layer
+        assert len(gpu.rewrites) == len({m.file.tensors[n].span for n in src.scales_last})
+        assert len(gpu.rewrites) < len(src.scales_last)
+        _check_dense(src, m)
+        src.close()
+        # a partial view of the q_a range (another tensor starting inside it) keeps the range as it is
+        info = m.file.tensors["blk.0.attn_q_a.weight"]
+        plan = layout.plan_arena(layout.spans_of(m, m.file.tensors))
+        view = type(info)("view", info.ggml_type, (info.ne[0], 1), info.offset + info.row_bytes, info.row_bytes)
+        m.file.tensors["view"] = view
+        try:
+            names = layout.scales_last_rewrites(m, plan, layout.dense_names(m))
+            assert not any("blk.0.attn_q_a.weight" in r.names for r in names)
+            assert names and all(formats.scales_last_ok(formats.Q8_0, r.K, r.arena_offset) for r in names)
+        finally:
+            del m.file.tensors["view"]
+    finally:
+        m.close()
+
+
 def test_device_source_falls_back_to_host_mapped_when_the_arena_exceeds_the_budget(tiny):
     gpu, lines = FakeGpu(), []
     src = sources.DeviceSource(tiny, gpu=gpu, arena_limit=1 << 20, progress=False, log=lines.append)
@@ -517,6 +572,7 @@ def test_direct_model_is_host_mapped_without_copying(tiny):
     gpu, lines = FakeGpu(), []
     src = sources.DeviceSource(tiny, gpu=gpu, host_mapped=True, progress=False, log=lines.append)
     assert src.regime == "host-mapped" and gpu.h2d_bytes == 0 and "--direct-model" in lines[0]
+    assert not src.scales_last and not gpu.rewrites      # the file mapping is never written
     _check_experts(src, tiny, 0, [1])
     src.close()
 
