@@ -123,10 +123,11 @@ def pinned_bytes(nbytes: int) -> np.ndarray:
     return whole[start:start + nbytes]          # a view: it keeps `whole` alive
 
 
-def rewrite_scales_last(arena, offset: int, n_rows: int, K: int, stream) -> None:
-    """Rewrite Q8_0 rows in VRAM into the scales-last layout (kernels/formats.py), on `stream`."""
+def rewrite_scales_last(arena, offset: int, n_rows: int, K: int, stream, back: bool = False) -> None:
+    """Rewrite Q8_0 rows in VRAM into the scales-last layout (kernels/formats.py), or back into the
+    file's (back), on `stream`."""
     from ds4py.kernels import cuda as qk
-    qk.q8_0_relayout(arena, offset, n_rows, K, stream=stream.numba)
+    qk.q8_0_relayout(arena, offset, n_rows, K, to_repacked=not back, stream=stream.numba)
 
 
 def wrap_device(ptr: int, nbytes: int, owner=None):

@@ -206,6 +206,7 @@ class GpuSource:
         self.arena = None
         self.expert_arena = None
         self.scales_last: frozenset[str] = frozenset()   # dense tensors whose rows are scales-last
+        self._rewrites: list[layout.Rewrite] = []        # the ranges that may be (_rewrite_scales_last)
         self._geometry = layout.expert_geometry(model)
         gpu.ensure_context()
         self.stream = gpu.Stream()
@@ -325,15 +326,21 @@ class GpuSource:
         return addr
 
     def _rewrite_scales_last(self) -> None:
-        """Rewrite the eligible dense Q8_0 matrices of the arena scales-last, each range once
-        (aliased tensors share one), and record their names in `scales_last`."""
-        if not SCALES_LAST:
+        """After the upload: the eligible dense Q8_0 matrices of the arena scales-last (each range
+        once: aliased tensors share one), unless SCALES_LAST is off."""
+        self._rewrites = layout.scales_last_rewrites(self.model, self.plan, layout.dense_names(self.model))
+        self.keep_scales_last(SCALES_LAST)
+
+    def keep_scales_last(self, on: bool) -> None:
+        """Put the rewritable matrices scales-last (on) or back in the file's layout, and name them
+        in `scales_last` accordingly (scripts/decode_ab.py A/Bs the two in one process; an engine
+        captures its graphs again after a change)."""
+        if bool(on) == bool(self.scales_last):
             return
-        rewrites = layout.scales_last_rewrites(self.model, self.plan, layout.dense_names(self.model))
-        for r in rewrites:
-            self.gpu.rewrite_scales_last(self.arena, r.arena_offset, r.n_rows, r.K, self.stream)
+        for r in self._rewrites:
+            self.gpu.rewrite_scales_last(self.arena, r.arena_offset, r.n_rows, r.K, self.stream, back=not on)
         self.stream.synchronize()
-        self.scales_last = frozenset(n for r in rewrites for n in r.names)
+        self.scales_last = frozenset(n for r in self._rewrites for n in r.names) if on else frozenset()
 
     def _report_load(self, what: str) -> None:
         s = self.load_stats

@@ -4,8 +4,9 @@ it --gen times from the same saved state (device events around the replays).
 
     python3 scripts/decode_ab.py --set "_CONST_STEPS_GATE_UP=1,_R_DOWN_SLOTS=8" --reps 3
 
-A configuration is a comma-separated list of NAME=INT (attributes of ds4py.kernels.cuda, or
-ops.NAME of ds4py.kernels.cuda_ops); the first one is always the defaults. Also checks that every
+A configuration is a comma-separated list of NAME=INT (attributes of ds4py.kernels.cuda, ops.NAME
+of ds4py.kernels.cuda_ops, engine.NAME, or sources.SCALES_LAST=0: the dense Q8_0 matrices back in
+the file's layout); the first one is always the defaults. Also checks that every
 configuration gives the same logits.
 """
 import argparse
@@ -23,7 +24,7 @@ def main() -> None:
     import numpy as np
     from numba import cuda
 
-    from flash_engine import knob_configs, knob_defaults, knob_label, open_flash, set_knobs
+    from flash_engine import apply_source_knobs, knob_configs, knob_defaults, knob_label, open_flash, set_knobs
 
     configs = knob_configs(args.set)
     defaults = knob_defaults(configs)
@@ -36,6 +37,7 @@ def main() -> None:
     for _ in range(args.reps):
         for k, config in enumerate(configs):
             set_knobs({**defaults, **config}, rebuild=True)   # compiled while the graph is captured
+            apply_source_knobs(engine)
             engine._graphs = None                  # recaptured with this configuration's kernels
             engine.restore(saved)
             logits[k] = np.array(engine.decode(first))

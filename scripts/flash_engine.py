@@ -28,12 +28,16 @@ def open_flash(model_path: str, n_ctx: int, corpus_chars: int = 40_000):
 
 
 def _knob_owner(name: str):
-    """(owner, attribute) of a knob: NAME of ds4py.kernels.cuda, ops.NAME of kernels.cuda_ops, or
-    engine.NAME of the CudaEngine class (read when a graph is captured)."""
+    """(owner, attribute) of a knob: NAME of ds4py.kernels.cuda, ops.NAME of kernels.cuda_ops,
+    engine.NAME of the CudaEngine class (read when a graph is captured), or sources.NAME of
+    ds4py.io.sources (sources.SCALES_LAST: apply_source_knobs puts the arena in that layout)."""
     from ds4py.forward_cuda import CudaEngine
+    from ds4py.io import sources
     from ds4py.kernels import cuda as CK, cuda_ops as ops
     if name.startswith("engine."):
         return CudaEngine, name[7:]
+    if name.startswith("sources."):
+        return sources, name[8:]
     return (ops, name[4:]) if name.startswith("ops.") else (CK, name)
 
 
@@ -69,6 +73,12 @@ def set_knobs(values, rebuild: bool = False) -> None:
     if rebuild:
         CK._KERNELS.clear()
         CK._ROWDOTS.clear()
+
+
+def apply_source_knobs(engine) -> None:
+    """What a source knob asks of the loaded source (sources.SCALES_LAST: the Q8_0 layout)."""
+    from ds4py.io import sources
+    engine.source.keep_scales_last(sources.SCALES_LAST)
 
 
 def knob_label(config) -> str:

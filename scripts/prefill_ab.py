@@ -37,7 +37,7 @@ def main() -> None:
 
     from numba import cuda
 
-    from flash_engine import knob_configs, knob_defaults, knob_label, open_flash, set_knobs
+    from flash_engine import apply_source_knobs, knob_configs, knob_defaults, knob_label, open_flash, set_knobs
 
     if args.knob:                                 # checked before the model is built and loaded
         configs = knob_configs([f"{args.knob}={v}" for v in args.values.split(",")])[1:]
@@ -53,12 +53,14 @@ def main() -> None:
     try:
         for config in configs:                    # compile each configuration's kernels before any timing
             set_knobs({**defaults, **config})
+            apply_source_knobs(engine)
             engine.restore(start)
             engine.prefill(ids[:args.warm_tokens])
             cuda.synchronize()
         for rep in range(args.reps):
             for k, config in enumerate(configs):
                 set_knobs({**defaults, **config})
+                apply_source_knobs(engine)
                 engine.restore(start)
                 cuda.synchronize()
                 before = compiled_kernels()
@@ -70,6 +72,7 @@ def main() -> None:
                     print(f"{knob_label(config)}, rep {rep + 1}: compiled inside the timed prefill: {name} {sig}")
     finally:
         set_knobs(defaults)
+        apply_source_knobs(engine)
     for config, r in zip(configs, rates):
         print(f"{knob_label(config)}: prefill {len(ids)} tokens " + " ".join(f"{x:8.1f}" for x in r) + " tok/s")
 

@@ -107,12 +107,17 @@ class FakeGpu:
     def _is_pinned(self, addr, nbytes):
         return any(a <= addr and addr + nbytes <= a + n for a, n in self.pinned.items())
 
-    def rewrite_scales_last(self, arena, offset, n_rows, K, stream):
+    def rewrite_scales_last(self, arena, offset, n_rows, K, stream, back=False):
         from ds4py.kernels import formats
         nbytes = n_rows * formats.row_bytes(formats.Q8_0, K)
         rows = arena[offset:offset + nbytes].reshape(n_rows, -1)
-        arena[offset:offset + nbytes] = formats.to_scales_last(rows).reshape(-1)
-        self.rewrites.append((offset, n_rows, K))
+        if back:                                 # quants first, then the scales: re-interleave
+            nb = K // 32
+            quants, scales = rows[:, :32 * nb].reshape(n_rows, nb, 32), rows[:, 32 * nb:].reshape(n_rows, nb, 2)
+            arena[offset:offset + nbytes] = np.concatenate([scales, quants], axis=2).reshape(-1)
+        else:
+            arena[offset:offset + nbytes] = formats.to_scales_last(rows).reshape(-1)
+            self.rewrites.append((offset, n_rows, K))
 
     def copy_htod_async(self, dst_ptr, src_addr, nbytes, stream):
         if not self._is_pinned(src_addr, nbytes):

@@ -504,6 +504,12 @@ def test_device_source_keeps_eligible_q8_0_matrices_scales_last(tiny):
     assert any(tiny.file.tensors[n].ggml_type == formats.Q8_0 and n not in want for n in layout.dense_names(tiny))
     assert len(gpu.rewrites) == len(want)                   # no tensor aliases another in this file
     _check_dense(src, tiny)
+    src.keep_scales_last(False)                         # back to the file's bytes, and again
+    assert not src.scales_last
+    _check_dense(src, tiny)
+    src.keep_scales_last(True)
+    assert src.scales_last == want
+    _check_dense(src, tiny)
     src.close()
     sources.SCALES_LAST = False
     try:
