@@ -1279,7 +1279,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         raise ValueError("Q8_0: activation or output size does not match (n_tok, K, rows)")
     if x_groups > 1 and (n_tok != 1 or rows % x_groups):
         raise ValueError("Q8_0: grouped activations need one token and rows divisible by the groups")
-    a16, _, _, a64 = _arena_views(arena)
+    a16, a32, _, a64 = _arena_views(arena)
     nb = K // 32
     for off, r in parts:
         if off + r * 34 * nb > 2 * a16.size:
@@ -1291,13 +1291,14 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     S = _dense_split(rows, nchunks)
     if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
-    if scales_last and not all(F.scales_last_ok(F.Q8_0, K, off) for off, _ in parts):
+    sl = bool(scales_last)
+    if sl and not all(F.scales_last_ok(F.Q8_0, K, off) for off, _ in parts):
         raise ValueError("Q8_0: scales-last rows need 16-byte aligned offsets and K a multiple of 256")
     if mma is None:
         mma = _USE_MMA and n_tok >= _MMA_MIN_TOKENS and x_groups == 1 and hc is None
     if mma and staged is None:
         staged = _MMA_STAGED
-    if mma and scales_last and not staged:
+    if mma and sl and not staged:
         raise NotImplementedError("Q8_0: the direct tensor-core kernel reads the file's layout only")
     if mma and staged and nb % 8 == 0 and all(off % 8 == 0 for off, _ in parts):
         # whole steps of 8 blocks, rows that start on 8-byte boundaries (GGUF aligns tensors to 32)
@@ -1305,7 +1306,6 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         # the cp.async staging: weight rows and activation rows on 16-byte boundaries
         cpa = bool(_MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
             xq.__cuda_array_interface__["data"][0] % 16 == 0)
-        sl = bool(scales_last)
         kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa, sl),
                          lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa, sl))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
@@ -1321,11 +1321,10 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    sl = bool(scales_last)
     kernel = _cached(("q8_0", S, T, U, sl), lambda: _q8_0_kernel(S, T, U, sl))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
-        _arena_views(arena)[1] if sl else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
+        a32 if sl else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
         n_tok, _flat(out), rows, off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
 
 
@@ -3286,8 +3285,9 @@ def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
 
 
 def q8_0_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
-    """Q8_0 rows into (or back out of) the layout that _Q8_0_REPACKED reads: each block's 32
-    quants first (a lane's 8 bytes are one aligned load), then the scales (34 bytes per 32 values)."""
+    """Q8_0 rows into (or back out of) the scales-last layout that the Q8_0 launchers read with
+    scales_last=True (formats.to_scales_last): each block's 32 quants first (a lane's 8 bytes are
+    one aligned load), then the scales (34 bytes per 32 values)."""
     _scales_last_relayout(arena, F.Q8_0, off, n_rows, K, to_repacked, stream)
 
 

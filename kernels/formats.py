@@ -84,8 +84,17 @@ def scales_last_ok(ggml_type: int, K: int, offset: int) -> bool:
 def to_scales_last(rows: np.ndarray) -> np.ndarray:
     """Q8_0 rows (uint8[n_rows, row_bytes], the file's layout) in the scales-last layout."""
     n_rows, nbytes = rows.shape
-    blocks = rows.reshape(n_rows, nbytes // 34, 34)
+    blocks = rows.reshape(n_rows, nbytes // BLOCK_GEOMETRY[Q8_0][1], BLOCK_GEOMETRY[Q8_0][1])
     return np.concatenate([blocks[:, :, 2:].reshape(n_rows, -1), blocks[:, :, :2].reshape(n_rows, -1)], axis=1)
+
+
+def from_scales_last(rows: np.ndarray) -> np.ndarray:
+    """to_scales_last undone: scales-last Q8_0 rows back in the file's layout."""
+    n_rows, nbytes = rows.shape
+    nb = nbytes // BLOCK_GEOMETRY[Q8_0][1]
+    quants = rows[:, :32 * nb].reshape(n_rows, nb, 32)
+    scales = rows[:, 32 * nb:].reshape(n_rows, nb, 2)
+    return np.concatenate([scales, quants], axis=2).reshape(n_rows, -1)
 
 
 # --- IQ2_XXS tables -------------------------------------------------------------------------

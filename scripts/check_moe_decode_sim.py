@@ -128,7 +128,7 @@ def down(n_ff, n_embd, n_used, seed, hc=False):
     return (out.copy_to_host(),) + ((hc_args[0].copy_to_host(),) if hc else ())
 
 
-def q8_0_repacked_same(rows, Kd, seed=3):
+def q8_0_scales_last_same(rows, Kd, seed=3):
     """matvec_q8_0 on rows that q8_0_relayout rewrote (scales_last=True) against the file layout,
     bit for bit, and the relayout back restores every byte."""
     rng = np.random.default_rng(seed)
@@ -156,9 +156,9 @@ def main():
         # one chunk (K 256: one step), two chunks with a partial one (K 1280: 5 steps); 3 and 5
         # rows: split-K 1 and 2 warps per row
         for rows, Kd in ((3, 256), (5, 1280)):
-            ok = q8_0_repacked_same(rows, Kd)
+            ok = q8_0_scales_last_same(rows, Kd)
             bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} Q8_0 repacked rows: {rows} rows, K {Kd}", flush=True)
+            print(f"{'ok ' if ok else 'BAD'} Q8_0 scales-last rows: {rows} rows, K {Kd}", flush=True)
         if only == "q8":
             print("all Q8_0 simulator checks passed" if not bad else f"{bad} FAILED")
             return 1 if bad else 0

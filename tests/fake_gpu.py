@@ -111,10 +111,8 @@ class FakeGpu:
         from ds4py.kernels import formats
         nbytes = n_rows * formats.row_bytes(formats.Q8_0, K)
         rows = arena[offset:offset + nbytes].reshape(n_rows, -1)
-        if back:                                 # quants first, then the scales: re-interleave
-            nb = K // 32
-            quants, scales = rows[:, :32 * nb].reshape(n_rows, nb, 32), rows[:, 32 * nb:].reshape(n_rows, nb, 2)
-            arena[offset:offset + nbytes] = np.concatenate([scales, quants], axis=2).reshape(-1)
+        if back:
+            arena[offset:offset + nbytes] = formats.from_scales_last(rows).reshape(-1)
         else:
             arena[offset:offset + nbytes] = formats.to_scales_last(rows).reshape(-1)
             self.rewrites.append((offset, n_rows, K))
