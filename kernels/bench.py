@@ -609,27 +609,88 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     return res
 
 
-def bench_tune(timer, copy_bw, rng, log, moe):
-    """Re-time the big Q8_0 decode shapes under other work splits: U steps of 8 blocks per chunk
-    and S warps per row (split-K; _dense_split picks S from the shape alone, so matvec, dp4a
-    matmul and tensor-core matmul keep one summation order per shape). Only the time changes."""
+# The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
+Q8_0_LAUNCHES = (("attn_q_a + attn_kv 4096->1024+512", (1024, 512), 4096, 1),
+                 ("attn_q_b 1024->32768", (32768,), 1024, 1),
+                 ("attn_out_a grouped 8x(4096->1024)", (8192,), 4096, 8),
+                 ("attn_out_b 8192->4096", (4096,), 8192, 1),
+                 ("shared gate + up 4096->2048+2048", (2048, 2048), 4096, 1),
+                 ("shared down 2048->4096", (4096,), 2048, 1),
+                 ("output head 4096->129280", (129280,), 4096, 1))
+
+
+def _q8_0_variants(nb):
+    """Every (S, U) work split worth timing for rows of nb blocks: U steps per chunk up to the
+    row's steps, S warps per row up to its chunks."""
+    steps = (nb + 7) // 8
+    out = []
+    for U in (1, 2, 3, 4, 6, 8, 16):
+        if U > steps:
+            break
+        chunks = (steps + U - 1) // U
+        out += [(S, U) for S in (1, 2, 4, 8) if S <= chunks]
+    return out
+
+
+def bench_tune_split(timer, copy_bw, rng, log, prefill_tokens=512, prefill_top=2):
+    """The engine's Q8_0 decode launches (scales-last rows, as the GPU sources keep them) under
+    every work split (S warps per row, U steps per chunk; kernels.cuda._q8_0_work picks one per
+    shape), graph-replayed over rotating copies; then the same launch at prefill_tokens tokens
+    (the tensor-core matmul) for the prefill_top fastest decode splits and the shipped one. The
+    split fixes the order of the sums, so the bits differ between splits; only times are compared."""
     from . import cuda as CK
+    cuda = _cuda()
+    shipped = CK._q8_0_work
     res = []
-    saved = (CK._Q8_0_U, CK._dense_split)
-    auto = CK._dense_split
-    shapes = [s for s in DENSE_SHAPES if s[0].startswith(("attn_q_b", "attn_out_a 4096->8192", "attn_out_b",
-                                                          "output", "shared", "attn_q_a"))]
     try:
-        for U, S in ((4, 0), (2, 0), (4, 2), (2, 2), (4, 4), (2, 4), (1, 4), (1, 8)):
-            CK._Q8_0_U = U
-            CK._dense_split = auto if not S else (lambda rows, chunks, S=S: max(1, min(S, chunks)))
-            for r in bench_dense(timer, copy_bw, rng, lambda m: None, shapes=shapes):
-                r["variant"] = dict(U=U, S=S or "auto")
-                res.append(r)
-                log(f"  [U={U} S={S or 'auto'}] {r['name']:38s} {r['us']:8.2f} us {r['GBps']:8.0f} GB/s "
-                    f"{r['pct_copy']:5.1f} %")
+        for name, parts_rows, K, groups in Q8_0_LAUNCHES:
+            nb = K // 32
+            rows = sum(parts_rows)
+            wbytes = rows * F.row_bytes(F.Q8_0, K)
+            copies = max(1, math.ceil(ROT_BYTES / wbytes))
+            arena = Arena(copies * (wbytes + 256 * len(parts_rows)) + 4096, seed=rows + K)
+            offs = []
+            for _ in range(copies):
+                parts = [(arena.place(F.Q8_0, r, K), r) for r in parts_rows]
+                for off, r in parts:
+                    CK.q8_0_relayout(arena.buf, off, r, K)
+                offs.append(parts)
+            act = _Act(F.Q8_0, groups, K, rng)
+            out = cuda.device_array(rows, np.float32)
+            S0, U0, _ = shipped(rows, nb)
+            timed = []
+            for S, U in _q8_0_variants(nb):
+                CK._q8_0_work = lambda r, n, S=S, U=U: (S, U, ((n + 7) // 8 + U - 1) // U)
+
+                def launch(s):
+                    for parts in offs:
+                        CK._launch_q8_0(arena.buf, parts, K, 1, act.xq, act.xd, out, s, x_groups=groups,
+                                        scales_last=True)
+
+                launch(0)                                  # compile outside the capture
+                med, _ = timer.time_graph(timer.graph(launch))
+                us = med * 1e3 / copies
+                pct = 100 * wbytes / (us * 1e-6) / copy_bw
+                timed.append((us, S, U))
+                res.append(dict(name=name, rows=rows, K=K, S=S, U=U, us=us, pct_copy=pct,
+                                shipped=(S, U) == (S0, U0)))
+                log(f"  {name:36s} S={S} U={U:<2d} {us:8.2f} us {pct:5.1f} %"
+                    + ("  (shipped)" if (S, U) == (S0, U0) else ""))
+            if groups > 1:
+                continue                                   # grouped launches are decode only
+            xp = _Act(F.Q8_0, prefill_tokens, K, rng)
+            outp = cuda.device_array((prefill_tokens, rows), np.float32)
+            for S, U in sorted({(S, U) for _, S, U in sorted(timed)[:prefill_top]} | {(S0, U0)}):
+                CK._q8_0_work = lambda r, n, S=S, U=U: (S, U, ((n + 7) // 8 + U - 1) // U)
+                ms = timer.time_eager(lambda s: CK._launch_q8_0(arena.buf, offs[0], K, prefill_tokens, xp.xq,
+                                                                xp.xd, outp, s, scales_last=True))
+                res.append(dict(name=name, rows=rows, K=K, S=S, U=U, prefill_ms=ms, n_tok=prefill_tokens,
+                                shipped=(S, U) == (S0, U0)))
+                log(f"  {name:36s} S={S} U={U:<2d} prefill x{prefill_tokens}: {ms:8.3f} ms"
+                    + ("  (shipped)" if (S, U) == (S0, U0) else ""))
+            del arena
     finally:
-        CK._Q8_0_U, CK._dense_split = saved
+        CK._q8_0_work = shipped
     return res
 
 
@@ -762,15 +823,15 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune", "tune_moe"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
         res["layer"] = bench_layer(timer, copy_bw, rng, log, moe)
     if "prefill" in parts:
         res["prefill"] = bench_prefill(timer, rng, log, moe)
-    if "tune" in parts:
-        res["tune"] = bench_tune(timer, copy_bw, rng, log, moe)
+    if "tune_split" in parts:
+        res["tune_split"] = bench_tune_split(timer, copy_bw, rng, log)
     if "tune_q8" in parts:
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:

@@ -343,6 +343,15 @@ def _cached(key, build):
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
 
 
+def _q8_0_work(rows, nb):
+    """(S warps per row, U steps per chunk, chunks per row) of a Q8_0 launch of `rows` rows of nb
+    blocks. A pure function of the shape: it fixes the order in which a row's blocks are added, so
+    matvec, dp4a matmul and tensor-core matmul of one shape give the same bits."""
+    U = _Q8_0_U
+    nchunks = ((nb + 7) // 8 + U - 1) // U
+    return _dense_split(rows, nchunks), U, nchunks
+
+
 def _make_q8_0_chunk(T, U, scales_last=False):
     """U warp steps of a Q8_0 row for T tokens. All U steps' weight words are loaded first, so
     each lane has U*5 independent loads in flight (decode is latency-bound without that).
@@ -1286,9 +1295,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             raise ValueError("Q8_0: tensor runs past the end of the arena")
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
     rows_a = rows_a if len(parts) > 1 else rows
-    U = _Q8_0_U
-    nchunks = ((nb + 7) // 8 + U - 1) // U       # chunks of U steps (8 blocks each) per row
-    S = _dense_split(rows, nchunks)
+    S, U, nchunks = _q8_0_work(rows, nb)         # chunks of U steps (8 blocks each) per row
     if hc is not None and (n_tok != 1 or len(parts) != 1 or x_groups != 1 or hc[0].shape[1] != rows):
         raise ValueError("Q8_0: the HC-post epilogue takes one token and one matrix of n_embd rows")
     sl = bool(scales_last)
