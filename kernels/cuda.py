@@ -341,6 +341,12 @@ def _cached(key, build):
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
+# From this many rows on a Q8_0 launch gives each row one warp. Measured on the H200 (kbench
+# tune_split, session 21): at 4096 rows (out_b K8192, shared gate+up, shared down) one warp per
+# row beats two by 12-17 % in decode and 20-28 % in prefill; the U=4 loads in flight per lane
+# already hide the latency that the second warp was there to cover. Below it (q_a+kv, 1536 rows)
+# the dense split still spreads a row over warps to fill the SMs.
+_Q8_0_S1_ROWS = 4096
 
 
 def _q8_0_work(rows, nb):
@@ -349,7 +355,8 @@ def _q8_0_work(rows, nb):
     matvec, dp4a matmul and tensor-core matmul of one shape give the same bits."""
     U = _Q8_0_U
     nchunks = ((nb + 7) // 8 + U - 1) // U
-    return _dense_split(rows, nchunks), U, nchunks
+    S = 1 if rows >= _Q8_0_S1_ROWS else _dense_split(rows, nchunks)
+    return S, U, nchunks
 
 
 def _make_q8_0_chunk(T, U, scales_last=False):
