@@ -42,6 +42,55 @@ def main() -> None:
         sys.exit(130)
 
 
+class CompileNotice:
+    """Says when numba starts compiling kernels and adds up the seconds it spends (with
+    `install()`). A first run compiles the CPU engine's kernels for about a minute inside the
+    first prefill (numba then caches them on disk, so the next run loads them in seconds); without
+    a word the terminal looks hung and the prefill rate is wrong by 100x."""
+
+    def __init__(self, say):
+        import threading
+        self.say = say
+        self.seconds = 0.0           # top-level compiles only: a kernel's callees compile inside it
+        self._said = False
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def install(self):
+        """A context manager: listen to numba's compile events while it is open."""
+        from numba.core import event
+
+        notice = self
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                notice._start()
+
+            def on_end(self, ev):
+                notice._end()
+
+        return event.install_listener("numba:compile", Listener())
+
+    def _start(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            import time
+            self._local.t0 = time.perf_counter()
+            with self._lock:
+                first, self._said = not self._said, True
+            if first:
+                self.say("ds4py: compiling kernels with numba (the CPU engine's are cached on disk "
+                         "after their first run)")
+
+    def _end(self) -> None:
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            import time
+            with self._lock:
+                self.seconds += time.perf_counter() - self._local.t0
+
+
 def byte_progress(description: str) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False)
@@ -402,9 +451,13 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     session = Session(loaded.engine)
     sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
 
+    say = lambda msg: console.print(msg, highlight=False, markup=False)
+
     def turn(ids):
         on_token, finish = _stream_printer(tok)
-        result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
+        notice = CompileNotice(say)
+        with notice.install():
+            result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
         finish()
         if result.stop == "interrupted":
             console.print("[interrupted]", markup=False)
@@ -413,6 +466,8 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
         if dump_logits is not None and result.prompt_logits is not None:
             _write_logits(dump_logits, result.prompt_logits)
         console.print(result.stats_line(), highlight=False)
+        if notice.seconds >= 0.5:
+            say(f"ds4py: {notice.seconds:.1f} s of this reply went to compiling kernels (the rates above include it)")
         if stats:
             console.print(_stats_line(loaded, m, result), highlight=False)
         return result
@@ -508,7 +563,9 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
         lines.append(row.csv())
         if csv is None:
             print(row.csv(), flush=True)
-    rows = b.run_bench(loaded.engine, ids, tok.eos_id, points, gen_tokens, on_row=on_row)
+    notice = CompileNotice(lambda msg: console.print(msg, highlight=False, markup=False))
+    with notice.install():               # the engine's warm-up compiles before the clocks start
+        rows = b.run_bench(loaded.engine, ids, tok.eos_id, points, gen_tokens, on_row=on_row)
     if csv is not None:
         try:
             csv.write_text("\n".join(lines) + "\n")
@@ -518,6 +575,8 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
     console.print(b.bench_table(rows, regime, per_token, ceiling, what))
     if regime != "cpu":
         console.print(f"ds4py: bench: {_counters_text(loaded.source)}", highlight=False)
+    if notice.seconds >= 0.5:
+        console.print(f"ds4py: bench: {notice.seconds:.1f} s compiling kernels", highlight=False)
     loaded.close()
 
 

@@ -181,6 +181,29 @@ class CpuEngine:
     def decode(self, token: int) -> np.ndarray:
         return self._forward([int(token)], want_logits=True)
 
+    WARM_TOKENS = 8     # a warm-up chunk: two ratio-4 compressor rows, every kernel's types
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's disk cache) the kernels of a prefill chunk and a decode
+        step before anything is timed, then put the state back: the bench's first frontier would
+        otherwise include ~50 s of compiling on a fresh machine. Numba compiles per argument
+        type, not per length, so a short chunk covers a long one. The indexer's scoring runs only
+        once a lane holds more than idx_topk rows, so a second chunk starts where it would (the
+        state in between is garbage: restore() overwrites it)."""
+        if self.n_ctx <= self.WARM_TOKENS:
+            return
+        saved = self.snapshot()        # (the host source counts nothing per read)
+        self.prefill([0] * self.WARM_TOKENS)
+        selecting_from = 4 * (self.spec.idx_topk + 1)
+        if selecting_from + self.WARM_TOKENS + 1 <= self.n_ctx:
+            self.n_past = selecting_from
+            for cache in self.layers:
+                if cache.index is not None:
+                    cache.index.n_rows = self.spec.idx_topk + 1
+            self.prefill([0] * self.WARM_TOKENS)
+        self.decode(0)
+        self.restore(saved)
+
     def snapshot(self) -> KvSnapshot:
         """A copy of the state: raw windows, compressor states and the rows emitted so far
         (only the used rows, so a snapshot costs what the context holds, not what --ctx reserves)."""

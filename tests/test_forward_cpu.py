@@ -296,3 +296,23 @@ def test_fp4_ties_go_to_even_grid_index():
     v = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] + [0.0] * 24, dtype=np.float32)
     ops.fp4_e2m1_sim_inplace(v)       # amax 6 -> scale 1
     assert list(v[:8]) == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+
+
+def test_warm_up_leaves_no_trace(model, monkeypatch):
+    """CpuEngine.warm_up (the bench calls it before its clocks) runs the indexer's scoring too
+    (it compiles only once a lane holds more than idx_topk rows) and puts the state back: the
+    logits after it are bitwise those of an engine that never warmed up, from an empty state and
+    from a state with a prefix already in it."""
+    tokens = np.random.default_rng(11).integers(0, model.spec.n_vocab, 12).tolist()
+    cold, warm = FC.CpuEngine(model, n_ctx=64), FC.CpuEngine(model, n_ctx=64)
+    scored = []
+    scores = FC.ops.indexer_scores
+    monkeypatch.setattr(FC.ops, "indexer_scores", lambda *a: (scored.append(1), scores(*a))[1])
+    warm.warm_up()
+    monkeypatch.setattr(FC.ops, "indexer_scores", scores)
+    assert scored and warm.n_past == 0
+    np.testing.assert_array_equal(warm.prefill(tokens[:7]), cold.prefill(tokens[:7]))
+    warm.warm_up()
+    assert warm.n_past == 7
+    np.testing.assert_array_equal(warm.decode(tokens[7]), cold.decode(tokens[7]))
+    np.testing.assert_array_equal(warm.prefill(tokens[8:]), cold.prefill(tokens[8:]))

@@ -211,3 +211,30 @@ def test_generate_ctrl_c_inside_a_numba_call_stops_cleanly():
     eng = ScriptedEngine(script=[1] * 50, interrupt_at=4, raise_at=lambda: SystemError("something else"))
     with pytest.raises(SystemError, match="something else"):
         generate(Session(eng), [2, 3], Greedy(), 10, eos_id=9)
+
+
+def test_compile_notice_says_once_and_times_only_real_compiles():
+    """CompileNotice speaks at the first numba compile of a reply and adds up its seconds; a
+    function already compiled costs nothing and says nothing."""
+    from numba import njit
+    from ds4py.cli import CompileNotice
+
+    @njit
+    def inner(x):
+        return x * 2.0
+
+    @njit
+    def outer(x):                       # compiling it compiles inner inside: counted once
+        return inner(x) + 1.0
+
+    said = []
+    notice = CompileNotice(said.append)
+    with notice.install():
+        assert outer(1.0) == 3.0
+        assert outer(2.0) == 5.0
+    assert len(said) == 1 and "compiling kernels" in said[0]
+    assert 0.0 < notice.seconds < 60.0
+    again = CompileNotice(said.append)
+    with again.install():
+        assert outer(3.0) == 7.0
+    assert len(said) == 1 and again.seconds == 0.0
