@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +28,11 @@ app = typer.Typer(
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 console = Console(stderr=True)
 out = Console()
+
+
+def say(msg: str) -> None:
+    """One status line on stderr, printed as it is (no rich markup or highlighting)."""
+    console.print(msg, highlight=False, markup=False)
 
 
 def main() -> None:
@@ -49,7 +56,6 @@ class CompileNotice:
     a word the terminal looks hung and the prefill rate is wrong by 100x."""
 
     def __init__(self, say):
-        import threading
         self.say = say
         self.seconds = 0.0           # top-level compiles only: a kernel's callees compile inside it
         self._said = False
@@ -75,7 +81,6 @@ class CompileNotice:
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         if depth == 0:
-            import time
             self._local.t0 = time.perf_counter()
             with self._lock:
                 first, self._said = not self._said, True
@@ -86,7 +91,6 @@ class CompileNotice:
     def _end(self) -> None:
         self._local.depth -= 1
         if self._local.depth == 0:
-            import time
             with self._lock:
                 self.seconds += time.perf_counter() - self._local.t0
 
@@ -446,12 +450,10 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     m = open_model(str(path))
     tok = Tokenizer.from_gguf(m.file)
     # the shared loader: detector -> weight source -> CPU or CUDA engine (ds4py/engine.py)
-    loaded = open_engine(m, weights, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    loaded = open_engine(m, weights, log=say)
     console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}", highlight=False)
     session = Session(loaded.engine)
     sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
-
-    say = lambda msg: console.print(msg, highlight=False, markup=False)
 
     def turn(ids):
         on_token, finish = _stream_printer(tok)
@@ -552,7 +554,7 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
     ids = tok.encode(text)
     if weights.n_ctx < points[-1] + gen_tokens + 1:
         weights = dataclasses.replace(weights, n_ctx=points[-1] + gen_tokens + 1)
-    loaded = open_engine(m, weights, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    loaded = open_engine(m, weights, log=say)
     ceiling, what = b.copy_ceiling(loaded.kind)
     per_token = b.weight_bytes_per_token(m)
     lines = [b.CSV_HEADER]
@@ -563,7 +565,7 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
         lines.append(row.csv())
         if csv is None:
             print(row.csv(), flush=True)
-    notice = CompileNotice(lambda msg: console.print(msg, highlight=False, markup=False))
+    notice = CompileNotice(say)
     with notice.install():               # the engine's warm-up compiles before the clocks start
         rows = b.run_bench(loaded.engine, ids, tok.eos_id, points, gen_tokens, on_row=on_row)
     if csv is not None:
@@ -576,7 +578,7 @@ def bench(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF
     if regime != "cpu":
         console.print(f"ds4py: bench: {_counters_text(loaded.source)}", highlight=False)
     if notice.seconds >= 0.5:
-        console.print(f"ds4py: bench: {notice.seconds:.1f} s compiling kernels", highlight=False)
+        say(f"ds4py: bench: {notice.seconds:.1f} s compiling kernels")
     loaded.close()
 
 
