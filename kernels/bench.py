@@ -140,6 +140,25 @@ class Timer:
         g.upload(self.stream)
         return g
 
+    def graph_pdl(self, launch):
+        """launch(stream) captured with programmatic kernel -> kernel edges, as the engine's decode
+        graph is (kernels/graph.py): each launch's blocks are resident and waiting in pdl_enter()
+        when the one before it ends. Replayed by time_graph like graph()'s."""
+        from numba import cuda
+        from .graph import CapturedGraph
+        stream = cuda.external_stream(int(self.stream.handle))
+        captured = CapturedGraph(stream, programmatic=True)
+        with captured:
+            launch(stream)
+
+        class Replay:
+            programmatic_edges = captured.programmatic_edges
+
+            def launch(self, _stream):
+                captured.replay()
+
+        return Replay()
+
     def time_graph(self, g, reps=30):
         g.launch(self.stream)                  # warm-up
         self.stream.sync()
@@ -186,6 +205,30 @@ def copy_bandwidth(timer, nbytes=2 << 30):
         found[f"driver memcpy DtoD failed: {type(e).__name__}"] = 0.0
     del src, dst
     return max(found.values()), found
+
+
+def _per_launch_us(timer, launch, n_launches):
+    """Median us per launch of launch(stream)'s n_launches launches, replayed from a graph with
+    ordinary edges and from one with programmatic edges (None where PDL is unavailable)."""
+    from .graph import pdl_available
+    med, _ = timer.time_graph(timer.graph(launch))
+    us_pdl = None
+    if pdl_available():
+        try:
+            med_pdl, _ = timer.time_graph(timer.graph_pdl(launch))
+            us_pdl = med_pdl * 1e3 / n_launches
+        except Exception as e:      # the ordinary figure stands; say why the other is missing
+            print(f"  (no PDL-edge timing: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    return med * 1e3 / n_launches, us_pdl
+
+
+def _add_pdl(r, us_pdl, nbytes, copy_bw):
+    if us_pdl is not None:
+        r.update(us_pdl=us_pdl, pct_copy_pdl=100 * nbytes / (us_pdl * 1e-6) / copy_bw)
+
+
+def _pdl_text(r):
+    return f"  | PDL edges {r['us_pdl']:8.2f} us {r['pct_copy_pdl']:5.1f} %" if "us_pdl" in r else ""
 
 
 # ------------------------------------------------------------------------------------ shapes
@@ -269,16 +312,15 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True)
                 CK.q8_0_relayout(arena.buf, off, rows, K)
             _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0, sl)
             bits = " same bits" if np.array_equal(out.copy_to_host(), want) else " BITS DIFFER"
-        g = timer.graph(launch)
-        med, best = timer.time_graph(g)
-        us = med * 1e3 / copies
+        us, us_pdl = _per_launch_us(timer, launch, copies)
         gbs = wbytes / (us * 1e-6) / 1e9
         r = dict(name=name, type=F.TYPE_NAMES[t], rows=rows, K=K, weight_MB=wbytes / 1e6,
                  us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies,
                  scales_last=bool(bits), same_bits=bits == " same bits")
+        _add_pdl(r, us_pdl, wbytes, copy_bw)
         rows_out.append(r)
         log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %"
-            + (" scales-last" + bits if bits else ""))
+            + _pdl_text(r) + (" scales-last" + bits if bits else ""))
         del arena
     return rows_out
 
@@ -369,14 +411,13 @@ def bench_moe(timer, copy_bw, rng, log, moe):
                               "full", gu_bytes + d_bytes),
                              ("MoE gate+up fused, 6 experts (IQ2_XXS)", "gate_up", gu_bytes),
                              ("MoE down, 6 experts summed (Q2_K)", "down", d_bytes)):
-        g = timer.graph(lambda s: [getattr(st, fn)(s) for st in steps])
-        med, best = timer.time_graph(g)
-        us = med * 1e3 / len(steps)
+        us, us_pdl = _per_launch_us(timer, lambda s: [getattr(st, fn)(s) for st in steps], len(steps))
         gbs = nbytes / (us * 1e-6) / 1e9
         r = dict(name=name, weight_MB=nbytes / 1e6, us=us, GBps=gbs,
                  pct_copy=100 * gbs * 1e9 / copy_bw)
+        _add_pdl(r, us_pdl, nbytes, copy_bw)
         res.append(r)
-        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %")
+        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %" + _pdl_text(r))
     return res
 
 
@@ -522,7 +563,11 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
-def bench_tune_moe(timer, copy_bw, rng, log, moe):
+# the shipped routed-expert decode parameters, in bench_tune_moe's order (up to _R_DOWN_SLOTS)
+_MOE_SHIPPED = (4, 6, 0, True, True, 4, 64, True, 0, 8)
+
+
+def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
     rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
     arithmetic (split: dot(g, x) - 2 dot(g & m, x)), a kernel per row length (const: the step count
@@ -534,11 +579,12 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
-             "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP")
+             "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP", "_IQ2_ALU_SIGNS_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
     # warps per SM)
+    given = variants
     old = [(8, 8, 0, True, True, 4, 64), (8, 8, 0, True, False, 4, 64),
            (8, 8, 0, False, True, 4, 64), (16, 8, 0, False, True, 4, 64),
            (8, 16, 0, False, True, 4, 64), (4, 4, 0, False, True, 4, 64),
@@ -557,7 +603,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # first (so that a time limit still leaves them): the defaults of session 15, then the same
     # with the byte-permute IQ2_XXS weights (_IQ2_PERM_GATE_UP; ptxas sm_90: 80 registers, 2,368
     # SASS instructions against 2,784)
-    shipped = (4, 6, 0, True, True, 4, 64, True, 0, 8)
+    shipped = _MOE_SHIPPED
     variants = [shipped + (False,), shipped + (True,)] + variants
     # then the byte-permute kernel on rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP: one
     # aligned 8-byte load and one 16-bit load per sub-block instead of five 16-bit loads; ptxas:
@@ -565,6 +611,8 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # rewritten for it and back after it
     variants = [v + (False,) for v in variants]
     variants[2:2] = [shipped + (True, True)]
+    variants = [v + (False,) for v in variants]
+    variants = given or variants
     n_rows = moe["n_exp"] * moe["n_ff"]
     repacked = False
 
@@ -581,8 +629,9 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 repacked = v[11]
             for n, value in zip(names, v):
                 setattr(CK, n, value)
-            CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
-            CK._ROWDOTS.clear()
+            if given is None:                # the sign variant is baked into the row-dot helpers
+                CK._KERNELS.clear()          # (given variants differ only in knobs the caches key on)
+                CK._ROWDOTS.clear()
             step = _MoEStep(moe, np.random.default_rng(1))
             step.full(0)
             cuda.synchronize()
@@ -594,7 +643,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
                 r["same_bits"] = same
                 res.append(r)
                 gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
-                            + (" repacked" if v[11] else ""))
+                            + (" repacked" if v[11] else "") + (" alu-signs" if v[12] else ""))
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "
@@ -607,6 +656,14 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
         CK._KERNELS.clear()
         CK._ROWDOTS.clear()
     return res
+
+
+def bench_tune_iq2(timer, copy_bw, rng, log, moe):
+    """The byte-permute gate/up decode kernel with its sign selectors read from shared memory
+    (shipped) or computed (iq2_sign_sel), on the file's rows or repacked ones, twice over in
+    alternation: the same bits every time."""
+    four = [_MOE_SHIPPED + (True, repacked, alu) for repacked in (False, True) for alu in (False, True)]
+    return bench_tune_moe(timer, copy_bw, rng, log, moe, variants=four + four)
 
 
 # The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
@@ -823,7 +880,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_iq2"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -836,6 +893,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
+    if "tune_iq2" in parts:
+        res["tune_iq2"] = bench_tune_iq2(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

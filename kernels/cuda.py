@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, iq2_sign_sel, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
@@ -1507,8 +1507,11 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
     perm (the gate/up decode kernel's _IQ2_PERM_GATE_UP): the tables are the byte-permute
     selectors of iq2_selector_tables (grid_s uint32[256], ks_s uint32[129] whose last word is
     iq2_permute's byte positions) and each grid entry becomes its 8 signed weights in two words
-    (two prmt), dotted once: the same integer in half the dp4a, no byte masks."""
+    (two prmt), dotted once: the same integer in half the dp4a, no byte masks. perm == 2
+    (_IQ2_ALU_SIGNS_GATE_UP): the sign selectors from iq2_sign_sel (seven ALU instructions)
+    instead of ks_s, whose last word alone is read; the same words."""
     split = _IQ2_SPLIT_SIGNS and not perm
+    alu_signs = perm == 2
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1521,7 +1524,9 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
         pos = ks_s[128] if perm else uint32(0)              # a register operand (see iq2_permute)
         for l in range(4):
             if perm:
-                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
+                s7 = bfe(aux1, 7 * l, 7)
+                ssel = iq2_sign_sel(s7) if alu_signs else ks_s[_ix(s7)]
+                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ssel, pos)
                 wv[2 * l] = w_lo
                 wv[2 * l + 1] = w_hi
                 continue
@@ -1731,7 +1736,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, repacked=F
     load, NWORDS = _make_load_iq2_xxs(NSB) if repacked else _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
     assert not perm or wtype == F.IQ2_XXS
-    compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
+    compute = _make_compute_iq2_xxs(T, x_regs, perm=perm) if perm else _COMPUTERS[wtype](T, x_regs)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw, o):
@@ -1985,6 +1990,8 @@ _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_
                                # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
+_IQ2_ALU_SIGNS_GATE_UP = False  # with it: the sign selectors computed (iq2_sign_sel) instead of
+                                # read from shared memory (a candidate: kbench tune_iq2)
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
@@ -2024,7 +2031,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
     and sign tables; the same integers. repacked (IQ2_XXS, NSB > 0): the rows in
     iq2_xxs_relayout's layout; the same words."""
-    perm = perm and wtype == F.IQ2_XXS
+    perm = perm if wtype == F.IQ2_XXS else 0
     rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, repacked)   # gate row and up row together
     GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
     stage = _stages_x(wtype) and not x_regs
@@ -3332,7 +3339,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     regs = _REGS_GATE_UP
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
-    perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
+    perm = (2 if _IQ2_ALU_SIGNS_GATE_UP else 1) if _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS else 0
     repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
     if repacked and not NSB:
         raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")

@@ -434,6 +434,54 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(arena.copy_to_host(), before)
 
 
+def test_iq2_sign_sel_equals_the_selector_table():
+    """iq2_sign_sel (the sign selectors computed: parity, bit pairs into nibbles, one prmt) gives
+    iq2_selector_tables' sign word for each of the 128 stored sign patterns."""
+    from ds4py.kernels.cuda_intrinsics import iq2_sign_sel
+
+    @cuda.jit
+    def all_selectors(out):
+        i = cuda.grid(1)
+        if i < 128:
+            out[i] = iq2_sign_sel(i)
+
+    out = cuda.device_array(128, np.uint32)
+    all_selectors[1, 128](out)
+    _, ssel = K.iq2_selector_tables()
+    assert np.array_equal(out.copy_to_host(), ssel)
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+@pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 1, False)])
+def test_moe_gate_up_alu_signs_same_bits(moe_knobs, n_embd, nch, x_regs, repacked):
+    """_IQ2_ALU_SIGNS_GATE_UP (the byte-permute kernel computing its sign selectors instead of
+    reading them from shared memory) against the table kernel, on the file's rows and on repacked
+    ones: the same words, so mid is the same bits."""
+    rng = _rng(23)
+    n_used, n_ff = 3, 20
+    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
+    arena, (og, ou) = _arena([gate, up])
+    stride = gate.shape[1] * gate.shape[2]
+    slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
+    xq, xd, xbs, _ = _prepare(F.IQ2_XXS, rng.standard_normal((1, n_embd)))
+    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
+
+    def mid():
+        out = cuda.device_array((n_used, n_ff), np.float32)
+        K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, out, bsums=xbs)
+        return out.copy_to_host()
+
+    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
+              _IQ2_REPACKED_GATE_UP=False, _IQ2_ALU_SIGNS_GATE_UP=False)
+    want = mid()
+    if repacked:
+        for o in (og, ou):
+            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
+    moe_knobs(_IQ2_REPACKED_GATE_UP=repacked, _IQ2_ALU_SIGNS_GATE_UP=True)
+    assert np.array_equal(mid(), want)
+
+
 @pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1024), (2100, 4096), (64, 8192)])
 def test_q8_0_scales_last_rows_same_bits(moe_knobs, rows, Kd):
     """Q8_0 rows that q8_0_relayout rewrote scales-last (formats.to_scales_last's bytes) give the
