@@ -194,7 +194,7 @@ class CpuEngine:
             return
         saved = self.snapshot()        # (the host source counts nothing per read)
         self.prefill([0] * self.WARM_TOKENS)
-        selecting_from = 4 * (self.spec.idx_topk + 1)
+        selecting_from = self.spec.indexer_selects_from
         if selecting_from + self.WARM_TOKENS + 1 <= self.n_ctx:
             self.n_past = selecting_from
             for cache in self.layers:

@@ -964,9 +964,9 @@ class CudaEngine:
         saved, mark = self.snapshot(), self.source.mark()
         # one chunk of the size prefill_batched will use (smaller with a small expert cache)
         chunks = [(0, min(self._prefill_chunk_limit(), self.n_ctx - 1))]
-        past_threshold = 4 * self.spec.idx_topk + 4
-        if past_threshold + self.WARM_TOKENS + 1 <= self.n_ctx:
-            chunks.append((past_threshold, self.WARM_TOKENS))
+        selecting_from = self.spec.indexer_selects_from
+        if selecting_from + self.WARM_TOKENS + 1 <= self.n_ctx:
+            chunks.append((selecting_from, self.WARM_TOKENS))
         for pos0, n_tokens in chunks:
             self._n_past = pos0
             self.prefill_batched([0] * n_tokens)

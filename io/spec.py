@@ -129,6 +129,13 @@ class ModelSpec:
         """Rows of an HC mixer: n_hc pre + n_hc post + n_hc² comb."""
         return (2 + self.n_hc) * self.n_hc
 
+    @property
+    def indexer_selects_from(self) -> int:
+        """The first position at which a ratio-4 lane holds more than idx_topk compressed rows,
+        so the indexer chooses among them (before it, every row is attended); the engines'
+        warm-ups run a chunk there so that the selection's kernels compile before any clock."""
+        return 4 * (self.idx_topk + 1)
+
     @staticmethod
     def compressed_rows(n_ctx: int, ratio: int) -> int:
         """Rows a compressed cache of this ratio holds at a context of n_ctx tokens (one per
