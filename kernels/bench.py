@@ -752,14 +752,16 @@ def bench_tune_split(timer, copy_bw, rng, log, prefill_tokens=512, prefill_top=2
 
 
 def bench_tune_stream(timer, copy_bw, rng, log,
-                      variants=((4, 4, 8), (2, 4, 8), (3, 4, 8), (6, 4, 6), (4, 8, 4), (8, 4, 4))):
+                      variants=((4, 4, 8, False), (4, 4, 8, True), (2, 4, 8, False), (3, 4, 8, False),
+                                (6, 4, 6, False), (6, 4, 6, True), (4, 8, 4, False), (8, 4, 4, False))):
     """The engine's one-token S = 1 Q8_0 launches (scales-last rows) through q8_0_rows and through
     q8_0_stream (kernels.cuda._Q8_0_STREAM: a few blocks per SM walk the rows, NST chunks per warp
-    in flight through cp.async) under (NST, warps per block, blocks per SM) variants; ordinary and
+    in flight through cp.async) under (NST, warps per block, blocks per SM, weight prologue before
+    pdl_enter) variants; ordinary and
     PDL-edge graphs; every variant's output checked against q8_0_rows' bit for bit."""
     from . import cuda as CK
     cuda = _cuda()
-    knobs = ("_Q8_0_STREAM", "_Q8_0_STREAM_NST", "_Q8_0_STREAM_NW", "_Q8_0_STREAM_BPS")
+    knobs = ("_Q8_0_STREAM", "_Q8_0_STREAM_NST", "_Q8_0_STREAM_NW", "_Q8_0_STREAM_BPS", "_Q8_0_STREAM_PRE")
     saved = tuple(getattr(CK, n) for n in knobs)
     res = []
     try:
@@ -786,22 +788,21 @@ def bench_tune_stream(timer, copy_bw, rng, log,
                                     scales_last=True)
 
             want = None
-            for v in ((False, 0, 0, 0),) + tuple((True,) + tuple(x) for x in variants):
+            for v in ((False, 0, 0, 0, False),) + tuple((True,) + tuple(x) for x in variants):
                 for n, value in zip(knobs, v):
-                    if value:
+                    if value or isinstance(value, bool):
                         setattr(CK, n, value)
-                CK._Q8_0_STREAM = v[0]
                 CK._launch_q8_0(arena.buf, offs[0], K, 1, act.xq, act.xd, out, 0, x_groups=groups,
                                 scales_last=True)          # compile outside the capture
                 got = out.copy_to_host()
                 want = got if want is None else want
                 same = np.array_equal(got, want)
                 us, us_pdl = _per_launch_us(timer, launch, copies)
-                r = dict(name=name, rows=rows, K=K, stream=v[0], NST=v[1], NW=v[2], BPS=v[3], us=us,
+                r = dict(name=name, rows=rows, K=K, stream=v[0], NST=v[1], NW=v[2], BPS=v[3], pre=v[4], us=us,
                          pct_copy=100 * wbytes / (us * 1e-6) / copy_bw, same_bits=same)
                 _add_pdl(r, us_pdl, wbytes, copy_bw)
                 res.append(r)
-                label = f"stream NST {v[1]} NW {v[2]} BPS {v[3]}" if v[0] else "q8_0_rows"
+                label = f"stream NST {v[1]} NW {v[2]} BPS {v[3]}{' pre' if v[4] else ''}" if v[0] else "q8_0_rows"
                 log(f"  {name:36s} {label:26s} {us:8.2f} us {r['pct_copy']:5.1f} %" + _pdl_text(r)
                     + ("" if same else "  BITS DIFFER"))
             del arena

@@ -472,11 +472,14 @@ _Q8_0_STREAM = False     # the one-token S = 1 scales-last launches through q8_0
 _Q8_0_STREAM_NW = 4      # warps per block
 _Q8_0_STREAM_NST = 4     # chunks in flight per warp (cp.async stages)
 _Q8_0_STREAM_BPS = 8     # blocks per SM in the grid
+_Q8_0_STREAM_PRE = False  # issue the first NST - 1 chunks before pdl_enter() (weights only: they
+                          # never change while a graph replays, so they may be read before the
+                          # grid this one depends on has finished; its tail hides their latency)
 
 
-def _q8_0_stream_kernel(U, NW, NST, XREG):
+def _q8_0_stream_kernel(U, NW, NST, XREG, PRE=False):
     """XREG: the row is one chunk (nchunks == 1, one x slice): x's words of the U steps are loaded
-    once into registers for all the warp's rows."""
+    once into registers for all the warp's rows. PRE: see _Q8_0_STREAM_PRE."""
     QW = U * 32                  # 8-byte words of one warp's stage slot: one per lane per step
     DW = U * 32                  # one scale word per lane per step
     WAITN = NST - 1
@@ -494,7 +497,8 @@ def _q8_0_stream_kernel(U, NW, NST, XREG):
     @cuda.jit
     def q8_0_stream(a32, row_h0, row_h, rows, nb, nchunks, xq64, xd, out, row_h0_b, rows_a,
                     x_group_rows, n_warps, hc_on, hc_state, hc_fb, hc_post, hc_comb):
-        pdl_enter()
+        if not PRE:
+            pdl_enter()
         sq = cuda.shared.array(SQ_N, uint64)         # .align 8: the 8-byte copies and loads
         sd = cuda.shared.array(SD_N, uint32)
         warp = cuda.threadIdx.x >> 5
@@ -519,6 +523,8 @@ def _q8_0_stream_kernel(U, NW, NST, XREG):
                     irow += n_warps
             else:
                 cp_async_commit()
+        if PRE:
+            pdl_enter()                  # everything below may read what earlier grids wrote
         xr = cuda.local.array(U, int64)
         xs = cuda.local.array(U, float32)
         if XREG:
@@ -589,7 +595,8 @@ def _stream_applies(S, n_tok, scales_last, nb):
 def _launch_q8_0_stream(a32, off_a, off_b, rows, rows_a, nb, nchunks, U, xq, xd, out, x_groups, hc, stream):
     NW, NST = _Q8_0_STREAM_NW, _Q8_0_STREAM_NST
     xreg = nchunks == 1 and x_groups == 1
-    kernel = _cached(("q8_0_stream", U, NW, NST, xreg), lambda: _q8_0_stream_kernel(U, NW, NST, xreg))
+    pre = _Q8_0_STREAM_PRE
+    kernel = _cached(("q8_0_stream", U, NW, NST, xreg, pre), lambda: _q8_0_stream_kernel(U, NW, NST, xreg, pre))
     blocks = min((rows + NW - 1) // NW, _sm_count() * _Q8_0_STREAM_BPS)
     kernel[blocks, NW * WARP, _stream(stream)](
         a32, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd), _flat(out), off_b // 2,

@@ -107,6 +107,7 @@ quant = {
  # _Q8_0_STREAM: one-token S = 1 rows through cp.async stages (x in registers for one-chunk rows)
  "q8_0_stream (x in registers)": (lambda: qk._q8_0_stream_kernel(4, 4, 4, True), q8_stream),
  "q8_0_stream": (lambda: qk._q8_0_stream_kernel(4, 4, 4, False), q8_stream),
+ "q8_0_stream (weight prologue before pdl_enter)": (lambda: qk._q8_0_stream_kernel(4, 4, 4, False, True), q8_stream),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view
  "q8_0_rows (decode, scales-last rows)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True), (u32a,) + q8_rows[1:]),

@@ -817,8 +817,9 @@ def test_hc_post_rounds_as_the_cpu_engine():
 
 
 @pytest.mark.parametrize("stream_knobs", [dict(_Q8_0_STREAM_NST=4, _Q8_0_STREAM_NW=4, _Q8_0_STREAM_BPS=8),
-                                          dict(_Q8_0_STREAM_NST=2, _Q8_0_STREAM_NW=8, _Q8_0_STREAM_BPS=1)],
-                         ids=["nst4", "nst2-one-block-per-sm"])
+                                          dict(_Q8_0_STREAM_NST=2, _Q8_0_STREAM_NW=8, _Q8_0_STREAM_BPS=1,
+                                               _Q8_0_STREAM_PRE=True)],
+                         ids=["nst4", "nst2-one-block-per-sm-prologue"])
 @pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1280), (1030, 4096), (129, 8192)])
 def test_q8_0_stream_equals_q8_0_rows(moe_knobs, rows, Kd, stream_knobs):
     """q8_0_stream (_Q8_0_STREAM: a few blocks per SM walk the rows, cp.async stages) gives
