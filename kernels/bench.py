@@ -751,67 +751,6 @@ def bench_tune_split(timer, copy_bw, rng, log, prefill_tokens=512, prefill_top=2
     return res
 
 
-def bench_tune_stream(timer, copy_bw, rng, log,
-                      variants=((4, 4, 8, False), (4, 4, 8, True), (2, 4, 8, False), (3, 4, 8, False),
-                                (6, 4, 6, False), (6, 4, 6, True), (4, 8, 4, False), (8, 4, 4, False))):
-    """The engine's one-token S = 1 Q8_0 launches (scales-last rows) through q8_0_rows and through
-    q8_0_stream (kernels.cuda._Q8_0_STREAM: a few blocks per SM walk the rows, NST chunks per warp
-    in flight through cp.async) under (NST, warps per block, blocks per SM, weight prologue before
-    pdl_enter) variants; ordinary and
-    PDL-edge graphs; every variant's output checked against q8_0_rows' bit for bit."""
-    from . import cuda as CK
-    cuda = _cuda()
-    knobs = ("_Q8_0_STREAM", "_Q8_0_STREAM_NST", "_Q8_0_STREAM_NW", "_Q8_0_STREAM_BPS", "_Q8_0_STREAM_PRE")
-    saved = tuple(getattr(CK, n) for n in knobs)
-    res = []
-    try:
-        for name, parts_rows, K, groups in Q8_0_LAUNCHES:
-            nb = K // 32
-            rows = sum(parts_rows)
-            if CK._q8_0_work(rows, nb)[0] != 1:
-                continue                                   # split-K launches keep q8_0_rows
-            wbytes = rows * F.row_bytes(F.Q8_0, K)
-            copies = max(1, math.ceil(ROT_BYTES / wbytes))
-            arena = Arena(copies * (wbytes + 256 * len(parts_rows)) + 4096, seed=rows + K)
-            offs = []
-            for _ in range(copies):
-                parts = [(arena.place(F.Q8_0, r, K), r) for r in parts_rows]
-                for off, r in parts:
-                    CK.q8_0_relayout(arena.buf, off, r, K)
-                offs.append(parts)
-            act = _Act(F.Q8_0, groups, K, rng)
-            out = cuda.device_array(rows, np.float32)
-
-            def launch(s):
-                for parts in offs:
-                    CK._launch_q8_0(arena.buf, parts, K, 1, act.xq, act.xd, out, s, x_groups=groups,
-                                    scales_last=True)
-
-            want = None
-            for v in ((False, 0, 0, 0, False),) + tuple((True,) + tuple(x) for x in variants):
-                for n, value in zip(knobs, v):
-                    if value or isinstance(value, bool):
-                        setattr(CK, n, value)
-                CK._launch_q8_0(arena.buf, offs[0], K, 1, act.xq, act.xd, out, 0, x_groups=groups,
-                                scales_last=True)          # compile outside the capture
-                got = out.copy_to_host()
-                want = got if want is None else want
-                same = np.array_equal(got, want)
-                us, us_pdl = _per_launch_us(timer, launch, copies)
-                r = dict(name=name, rows=rows, K=K, stream=v[0], NST=v[1], NW=v[2], BPS=v[3], pre=v[4], us=us,
-                         pct_copy=100 * wbytes / (us * 1e-6) / copy_bw, same_bits=same)
-                _add_pdl(r, us_pdl, wbytes, copy_bw)
-                res.append(r)
-                label = f"stream NST {v[1]} NW {v[2]} BPS {v[3]}{' pre' if v[4] else ''}" if v[0] else "q8_0_rows"
-                log(f"  {name:36s} {label:26s} {us:8.2f} us {r['pct_copy']:5.1f} %" + _pdl_text(r)
-                    + ("" if same else "  BITS DIFFER"))
-            del arena
-    finally:
-        for n, value in zip(knobs, saved):
-            setattr(CK, n, value)
-    return res
-
-
 def bench_tune_prefill(timer, rng, log):
     """The shared-memory Q8_0 tensor-core kernel's tile shapes, register caps, prefetch, the
     magic-C accumulator and the cp.async staging against the direct kernel, at the engine's
@@ -954,8 +893,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
-    if "tune_stream" in parts:
-        res["tune_stream"] = bench_tune_stream(timer, copy_bw, rng, log)
     if "tune_iq2" in parts:
         res["tune_iq2"] = bench_tune_iq2(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

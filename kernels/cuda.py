@@ -32,8 +32,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
-                              imad, cp_async16_at, cp_async8_at, cp_async4_at, cp_async_commit, cp_async_wait,
-                              cp_async_wait1,
+                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               iq2_permute, iq2_sign_sel, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
@@ -453,163 +452,6 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False):
             hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
 
     return q8_0_rows
-
-
-# ---- Q8_0 decode rows streamed through cp.async stages ---------------------------------------
-#
-# The one-token S = 1 launches (q_b, out_a, out_b, the shared expert, the head) read 35 MB or more
-# with one short warp per row: each warp has its own row in flight, then its block ends, and the
-# 35 MB shapes spend ~4 us of ~13 in ramp and tail (kbench: 66-71 % of copy, the 563 MB head
-# 102 %). Here a grid of a few blocks per SM walks the rows (warp gw takes rows gw, gw + n_warps,
-# ...), and each warp keeps NST chunks of U steps in flight in shared memory through cp.async
-# (no registers held): a lane copies exactly the bytes it will read (8 quant bytes, the 4-byte
-# word holding its block's f16 scale), so nothing but cp.async.wait_group orders the copies and
-# the reads, no barrier. The arithmetic is q8_0_rows' for S = 1 step by step (the same dp4a,
-# shuffles, fma and butterfly): the same bits. Scales-last rows only (q8_0_relayout; aligned
-# 8-byte quant words).
-
-_Q8_0_STREAM = False     # the one-token S = 1 scales-last launches through q8_0_stream (a candidate)
-_Q8_0_STREAM_NW = 4      # warps per block
-_Q8_0_STREAM_NST = 4     # chunks in flight per warp (cp.async stages)
-_Q8_0_STREAM_BPS = 8     # blocks per SM in the grid
-_Q8_0_STREAM_PRE = False  # issue the first NST - 1 chunks before pdl_enter() (weights only: they
-                          # never change while a graph replays, so they may be read before the
-                          # grid this one depends on has finished; its tail hides their latency)
-
-
-def _q8_0_stream_kernel(U, NW, NST, XREG, PRE=False):
-    """XREG: the row is one chunk (nchunks == 1, one x slice): x's words of the U steps are loaded
-    once into registers for all the warp's rows. PRE: see _Q8_0_STREAM_PRE."""
-    QW = U * 32                  # 8-byte words of one warp's stage slot: one per lane per step
-    DW = U * 32                  # one scale word per lane per step
-    WAITN = NST - 1
-    SQ_N, SD_N = NW * NST * QW, NW * NST * DW          # numba's shared sizes must be plain constants
-
-    @_inline
-    def issue(a32, sq, sd, wslot_q, wslot_d, wrow, c, nsteps, nb, lane, g):
-        """cp.async of chunk c of the row starting at word wrow into the warp's stage slot."""
-        for u in range(U):
-            if c * U + u < nsteps:                                   # warp-uniform
-                cp_async8_at(sq, wslot_q + lane, u * 32, a32, wrow + 64 * (c * U), 64 * u + 2 * lane)
-                cp_async4_at(sd, wslot_d + lane, u * 32, a32, wrow + 8 * nb + 4 * (c * U), 4 * u + (g >> 1))
-        cp_async_commit()
-
-    @cuda.jit
-    def q8_0_stream(a32, row_h0, row_h, rows, nb, nchunks, xq64, xd, out, row_h0_b, rows_a,
-                    x_group_rows, n_warps, hc_on, hc_state, hc_fb, hc_post, hc_comb):
-        if not PRE:
-            pdl_enter()
-        sq = cuda.shared.array(SQ_N, uint64)         # .align 8: the 8-byte copies and loads
-        sd = cuda.shared.array(SD_N, uint32)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        g = lane >> 2
-        t = lane & 3
-        gw = cuda.blockIdx.x * NW + warp
-        nsteps = nb >> 3
-        n_items = ((rows - 1 - gw) // n_warps + 1) * nchunks if gw < rows else 0
-        base_q = warp * (NST * QW)
-        base_d = warp * (NST * DW)
-        # the issue pointer runs NST - 1 items ahead of the compute pointer
-        irow = gw
-        ic = 0
-        for i in range(WAITN):
-            if i < n_items:
-                issue(a32, sq, sd, base_q + i * QW, base_d + i * DW,
-                      _pair_row(irow, rows_a, row_h0, row_h0_b, row_h) >> 1, ic, nsteps, nb, lane, g)
-                ic += 1
-                if ic == nchunks:
-                    ic = 0
-                    irow += n_warps
-            else:
-                cp_async_commit()
-        if PRE:
-            pdl_enter()                  # everything below may read what earlier grids wrote
-        xr = cuda.local.array(U, int64)
-        xs = cuda.local.array(U, float32)
-        if XREG:
-            for u in range(U):
-                b = u * 8 + g
-                xr[u] = xq64[_ix(b * 4 + t)] if u < nsteps else int64(0)
-                xs[u] = xd[_ix(b)] if u < nsteps else float32(0.0)
-        acc = float32(0.0)
-        crow = gw
-        cc = 0
-        islot = WAITN
-        cslot = 0
-        for i in range(n_items):
-            if i + WAITN < n_items:
-                issue(a32, sq, sd, base_q + islot * QW, base_d + islot * DW,
-                      _pair_row(irow, rows_a, row_h0, row_h0_b, row_h) >> 1, ic, nsteps, nb, lane, g)
-                ic += 1
-                if ic == nchunks:
-                    ic = 0
-                    irow += n_warps
-            else:
-                cp_async_commit()
-            islot = islot + 1 if islot + 1 < NST else 0
-            cp_async_wait(WAITN)
-            x_tok = crow // x_group_rows if x_group_rows < rows else 0
-            for u in range(U):
-                step = cc * U + u
-                if step < nsteps:                                     # warp-uniform
-                    b = step * 8 + g
-                    qv = sq[_ix(base_q + cslot * QW + u * 32 + lane)]
-                    q0 = uint32(qv & uint64(0xFFFFFFFF))
-                    q1 = uint32(qv >> uint64(32))
-                    dword = sd[_ix(base_d + cslot * DW + u * 32 + lane)]
-                    wd = f16_bits_to_f32((dword >> uint32(16 * (g & 1))) & uint32(0xFFFF))
-                    if XREG:
-                        xv = xr[u]
-                        xsc = xs[u]
-                    else:
-                        xv = xq64[_ix(x_tok * (nb * 4) + b * 4 + t)]
-                        xsc = xd[_ix(x_tok * nb + b)]
-                    isum = dp4a(q0, int32(xv & 0xFFFFFFFF), 0)
-                    isum = dp4a(q1, int32(xv >> 32), isum)
-                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
-                    isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2))
-                    acc = cuda.fma(wd * xsc, float32(isum), acc)
-            cslot = cslot + 1 if cslot + 1 < NST else 0
-            cc += 1
-            if cc == nchunks:                                         # the row is done
-                v = acc
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
-                v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-                if lane == 0:
-                    out[crow] = v
-                    if hc_on:                    # one token: the HC post of dim `crow`
-                        hc_post_dim(hc_state, crow, v + hc_fb[crow], hc_post, hc_comb)
-                acc = float32(0.0)
-                cc = 0
-                crow += n_warps
-
-    return q8_0_stream
-
-
-def _stream_applies(S, n_tok, scales_last, nb):
-    return _Q8_0_STREAM and S == 1 and n_tok == 1 and scales_last and nb % 8 == 0
-
-
-def _launch_q8_0_stream(a32, off_a, off_b, rows, rows_a, nb, nchunks, U, xq, xd, out, x_groups, hc, stream):
-    NW, NST = _Q8_0_STREAM_NW, _Q8_0_STREAM_NST
-    xreg = nchunks == 1 and x_groups == 1
-    pre = _Q8_0_STREAM_PRE
-    kernel = _cached(("q8_0_stream", U, NW, NST, xreg, pre), lambda: _q8_0_stream_kernel(U, NW, NST, xreg, pre))
-    blocks = min((rows + NW - 1) // NW, _sm_count() * _Q8_0_STREAM_BPS)
-    kernel[blocks, NW * WARP, _stream(stream)](
-        a32, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd), _flat(out), off_b // 2,
-        rows_a, rows // x_groups, blocks * NW, *_hc_args(hc))
-
-
-_SM_COUNT = []
-
-
-def _sm_count():
-    if not _SM_COUNT:
-        _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
-    return _SM_COUNT[0]
 
 
 # ---- Q8_0 matmul on the int8 tensor cores (prefill) --------------------------------------------
@@ -1491,9 +1333,6 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
             off_b // 2, rows_a)
-        return
-    if _stream_applies(S, n_tok, sl, nb):
-        _launch_q8_0_stream(a32, off_a, off_b, rows, rows_a, nb, nchunks, U, xq, xd, out, x_groups, hc, stream)
         return
     T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U, sl), lambda: _q8_0_kernel(S, T, U, sl))

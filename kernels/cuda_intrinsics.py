@@ -32,15 +32,14 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ld.global.nc.v4.f32; index a multiple of 4, the arrays 16-byte aligned, neither written by the
   kernel). The pointer is chosen before the load, so a kernel staging rows from either of two
   caches issues one unconditional load per 4 values.
-* ``cp_async16_at(s, si, sk, a, base, off)``, ``cp_async8_at(...)``, ``cp_async4_at(...)``: an
-  asynchronous copy of the 16 (8, 4) bytes at element base + off of the global array a
-  (C-contiguous) to element si + sk of the shared array s (PTX cp.async.cg / .ca; both addresses
+* ``cp_async16_at(s, si, sk, a, base, off)``, ``cp_async4_at(...)``: an asynchronous copy of the
+  16 (4) bytes at element base + off of the global array a (C-contiguous, 8-byte / 4-byte
+  elements) to element si + sk of the shared array s (PTX cp.async.cg / .ca; both addresses
   aligned to the size), through no registers; sk is added after si's zero extension (a constant
   sk folds into the copy's shared-address immediate: one register for all the copies of a lane,
   not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
-  copies only: a block barrier must follow before other threads read them); ``cp_async_wait(n)``
-  is the same for the n newest groups (n a constant 0..7, picked when the kernel compiles).
+  copies only: a block barrier must follow before other threads read them).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
@@ -195,11 +194,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async4_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
-
-    cp_async8_at = cp_async4_at
-
-    def cp_async_wait(n):
-        return None
 
     def ld_pair(s, i):
         return s[int(i)], s[int(i) + 1]
@@ -435,7 +429,6 @@ else:
         return intrinsic(typer)
 
     cp_async16_at = _cp_async_at(16, "cg")
-    cp_async8_at = _cp_async_at(8, "ca")
     cp_async4_at = _cp_async_at(4, "ca")
 
     @intrinsic
@@ -481,18 +474,6 @@ else:
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
-
-    @intrinsic
-    def cp_async_wait(typingctx, n):
-        if not isinstance(n, types.IntegerLiteral) or not 0 <= n.literal_value <= 7:
-            return None
-        text = f"cp.async.wait_group {n.literal_value};"
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-        return types.void(n), codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

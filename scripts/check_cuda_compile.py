@@ -81,8 +81,6 @@ dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f3
 dn_staged = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a)
 hc_epi = (b1, f32a2, f32a, f32a, f32a)        # the HC-post epilogue (on, state, f_b, post, comb)
 q8_rows = (u16a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) + hc_epi
-# a32, row_h0, row_h, rows, nb, nchunks, xq64, xd, out, row_h0_b, rows_a, x_group_rows, n_warps
-q8_stream = (u32a, i64, i64, i64, i64, i64, i64a, f32a, f32a, i64, i64, i64, i64) + hc_epi
 moe_down = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
@@ -104,10 +102,6 @@ quant = {
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, ALU signs)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, 2), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, ALU signs, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, 2, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
- # _Q8_0_STREAM: one-token S = 1 rows through cp.async stages (x in registers for one-chunk rows)
- "q8_0_stream (x in registers)": (lambda: qk._q8_0_stream_kernel(4, 4, 4, True), q8_stream),
- "q8_0_stream": (lambda: qk._q8_0_stream_kernel(4, 4, 4, False), q8_stream),
- "q8_0_stream (weight prologue before pdl_enter)": (lambda: qk._q8_0_stream_kernel(4, 4, 4, False, True), q8_stream),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view
  "q8_0_rows (decode, scales-last rows)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True), (u32a,) + q8_rows[1:]),

@@ -816,47 +816,6 @@ def test_hc_post_rounds_as_the_cpu_engine():
             f"n_hc {n_hc}: {np.count_nonzero(got != want)} of {got.size} values differ"
 
 
-@pytest.mark.parametrize("stream_knobs", [dict(_Q8_0_STREAM_NST=4, _Q8_0_STREAM_NW=4, _Q8_0_STREAM_BPS=8),
-                                          dict(_Q8_0_STREAM_NST=2, _Q8_0_STREAM_NW=8, _Q8_0_STREAM_BPS=1,
-                                               _Q8_0_STREAM_PRE=True)],
-                         ids=["nst4", "nst2-one-block-per-sm-prologue"])
-@pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1280), (1030, 4096), (129, 8192)])
-def test_q8_0_stream_equals_q8_0_rows(moe_knobs, rows, Kd, stream_knobs):
-    """q8_0_stream (_Q8_0_STREAM: a few blocks per SM walk the rows, cp.async stages) gives
-    q8_0_rows' one-token results bit for bit on scales-last rows: one matrix, a pair, a grouped
-    launch and the HC-post epilogue (state included); rows of one chunk (x in registers), of a
-    partial last chunk (1280: 5 steps of U 4) and of 4 / 8 chunks; more rows than warps."""
-    rng = _rng(27)
-    wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
-    wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
-    arena, (oa, ob) = _arena([wa, wb])
-    for o, w in ((oa, wa), (ob, wb)):
-        K.q8_0_relayout(arena, o, w.shape[0], Kd)
-    xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
-    n_groups = 4 if rows % 4 == 0 else 1
-    xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
-    state, f_b, post, comb = _hc_inputs(rng, 4, rows)
-
-    def outputs():
-        one = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=True)
-        pair = cuda.device_array(rows + wb.shape[0], np.float32)
-        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair, scales_last=True)
-        grouped = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped, scales_last=True)
-        fused = cuda.device_array((1, rows), np.float32)
-        d_state = cuda.to_device(state)
-        K.matmul_q8_0(arena, oa, rows, Kd, 1, xq, xd, fused, scales_last=True,
-                      hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
-        return [a.copy_to_host() for a in (one, pair, grouped, fused, d_state)]
-
-    moe_knobs(_Q8_0_S1_ROWS=1, _Q8_0_STREAM=False)           # S = 1 at every row count
-    want = outputs()
-    moe_knobs(_Q8_0_STREAM=True, **stream_knobs)
-    for got, exp, what in zip(outputs(), want, ("one", "pair", "grouped", "hc out", "hc state")):
-        assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), what
-
-
 @pytest.mark.parametrize("slots_rows", [0, 8], ids=["down", "down-slots"])
 def test_hc_post_epilogues_equal_hc_post(experts, slots_rows, moe_knobs):
     """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec: split-K 2
