@@ -345,6 +345,26 @@ def bench_tune_q8(timer, copy_bw, rng, log):
     return res
 
 
+def bench_tune_pre(timer, copy_bw, rng, log):
+    """The Q8_0 decode shapes (scales-last rows) with q8_0_rows' first chunk of weights loaded
+    after pdl_enter() (shipped) and before it (_Q8_0_PRE), alternating twice; ordinary and
+    PDL-edge graphs (the prologue can only gain in the latter), each checked bit for bit."""
+    from . import cuda as CK
+    shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
+    res = []
+    saved = CK._Q8_0_PRE
+    try:
+        for rep, pre in ((0, False), (0, True), (1, False), (1, True)):
+            CK._Q8_0_PRE = pre
+            log(f"  [weight prologue {'before' if pre else 'after'} pdl_enter]")
+            for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes):
+                r.update(rep=rep, pre=pre)
+                res.append(r)
+    finally:
+        CK._Q8_0_PRE = saved
+    return res
+
+
 def _moe_setup(rng, n_exp=256, n_embd=4096, n_ff=2048, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
     gu_bytes = n_ff * F.row_bytes(gate_type, n_embd)
     d_bytes = n_embd * F.row_bytes(down_type, n_ff)
@@ -563,11 +583,7 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
-# the shipped routed-expert decode parameters, in bench_tune_moe's order (up to _R_DOWN_SLOTS)
-_MOE_SHIPPED = (4, 6, 0, True, True, 4, 64, True, 0, 8)
-
-
-def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
+def bench_tune_moe(timer, copy_bw, rng, log, moe):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
     rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
     arithmetic (split: dot(g, x) - 2 dot(g & m, x)), a kernel per row length (const: the step count
@@ -579,12 +595,11 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
     res = []
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
-             "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP", "_IQ2_ALU_SIGNS_GATE_UP")
+             "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP")
     saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
     # warps per SM)
-    given = variants
     old = [(8, 8, 0, True, True, 4, 64), (8, 8, 0, True, False, 4, 64),
            (8, 8, 0, False, True, 4, 64), (16, 8, 0, False, True, 4, 64),
            (8, 16, 0, False, True, 4, 64), (4, 4, 0, False, True, 4, 64),
@@ -603,7 +618,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
     # first (so that a time limit still leaves them): the defaults of session 15, then the same
     # with the byte-permute IQ2_XXS weights (_IQ2_PERM_GATE_UP; ptxas sm_90: 80 registers, 2,368
     # SASS instructions against 2,784)
-    shipped = _MOE_SHIPPED
+    shipped = (4, 6, 0, True, True, 4, 64, True, 0, 8)
     variants = [shipped + (False,), shipped + (True,)] + variants
     # then the byte-permute kernel on rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP: one
     # aligned 8-byte load and one 16-bit load per sub-block instead of five 16-bit loads; ptxas:
@@ -611,8 +626,6 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
     # rewritten for it and back after it
     variants = [v + (False,) for v in variants]
     variants[2:2] = [shipped + (True, True)]
-    variants = [v + (False,) for v in variants]
-    variants = given or variants
     n_rows = moe["n_exp"] * moe["n_ff"]
     repacked = False
 
@@ -629,9 +642,8 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
                 repacked = v[11]
             for n, value in zip(names, v):
                 setattr(CK, n, value)
-            if given is None:                # the sign variant is baked into the row-dot helpers
-                CK._KERNELS.clear()          # (given variants differ only in knobs the caches key on)
-                CK._ROWDOTS.clear()
+            CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
+            CK._ROWDOTS.clear()
             step = _MoEStep(moe, np.random.default_rng(1))
             step.full(0)
             cuda.synchronize()
@@ -643,7 +655,7 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
                 r["same_bits"] = same
                 res.append(r)
                 gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
-                            + (" repacked" if v[11] else "") + (" alu-signs" if v[12] else ""))
+                            + (" repacked" if v[11] else ""))
                 dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
                 log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
                     f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "
@@ -656,14 +668,6 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe, variants=None):
         CK._KERNELS.clear()
         CK._ROWDOTS.clear()
     return res
-
-
-def bench_tune_iq2(timer, copy_bw, rng, log, moe):
-    """The byte-permute gate/up decode kernel with its sign selectors read from shared memory
-    (shipped) or computed (iq2_sign_sel), on the file's rows or repacked ones, twice over in
-    alternation: the same bits every time."""
-    four = [_MOE_SHIPPED + (True, repacked, alu) for repacked in (False, True) for alu in (False, True)]
-    return bench_tune_moe(timer, copy_bw, rng, log, moe, variants=four + four)
 
 
 # The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
@@ -880,7 +884,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_iq2"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -889,12 +893,12 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["prefill"] = bench_prefill(timer, rng, log, moe)
     if "tune_split" in parts:
         res["tune_split"] = bench_tune_split(timer, copy_bw, rng, log)
+    if "tune_pre" in parts:
+        res["tune_pre"] = bench_tune_pre(timer, copy_bw, rng, log)
     if "tune_q8" in parts:
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
-    if "tune_iq2" in parts:
-        res["tune_iq2"] = bench_tune_iq2(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

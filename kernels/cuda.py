@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, iq2_sign_sel, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
@@ -364,13 +364,11 @@ def _make_q8_0_chunk(T, U, scales_last=False):
     each lane has U*5 independent loads in flight (decode is latency-bound without that).
     scales_last: the row is in q8_0_relayout's layout and `a` is the arena's uint32 view: a lane's
     8 quant bytes are one aligned 8-byte load and d one 16-bit load (2 loads per step, not 5),
-    the same words."""
+    the same words. Returns (load_fn, dot_fn): the chunk's weight loads into q0, q1, wd (arrays
+    of U), then its dots with x."""
 
     @_inline
-    def chunk_fn(a, hrow, step0, g, t, nb, xq64, xd, tok0, n_tok, acc):
-        q0 = cuda.local.array(U, uint32)
-        q1 = cuda.local.array(U, uint32)
-        wd = cuda.local.array(U, float32)
+    def load_fn(a, hrow, step0, g, t, nb, q0, q1, wd):
         for u in range(U):
             b = (step0 + u) * 8 + g
             q0[u] = uint32(0)
@@ -387,6 +385,9 @@ def _make_q8_0_chunk(T, U, scales_last=False):
                     wd[u] = f16_bits_to_f32(a[_ix(hb)])
                     q0[u] = _u16pair(a, hb + 1 + 4 * t)
                     q1[u] = _u16pair(a, hb + 3 + 4 * t)
+
+    @_inline
+    def dot_fn(step0, g, t, nb, xq64, xd, tok0, n_tok, q0, q1, wd, acc):
         for tt in range(T):
             tok = tok0 + tt
             if T == 1 or tok < n_tok:          # warp-uniform
@@ -405,22 +406,28 @@ def _make_q8_0_chunk(T, U, scales_last=False):
                     if valid:
                         acc[tt] = cuda.fma(wd[u] * xs, float32(isum), acc[tt])
 
-    return chunk_fn
+    return load_fn, dot_fn
 
 
-def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False):
+_Q8_0_PRE = False   # q8_0_rows loads each warp's first chunk of weights before pdl_enter(): the
+                    # weights never change while a graph replays, so they may be read before the
+                    # grids this one waits for have finished, and their latency hides behind them
+
+
+def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
     """Q8_0 rows for T tokens per block row, S warps per row (split-K). nchunks (chunks of U
     steps per row) comes from the host, and x_tok needs a division only for grouped launches:
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
-    kbench on the H200, q_b 16.5 -> 14.6 us without it)."""
+    kbench on the H200, q_b 16.5 -> 14.6 us without it). PRE: see _Q8_0_PRE (the same bits)."""
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
-    chunk_fn = _make_q8_0_chunk(T, U, scales_last)
+    load_fn, dot_fn = _make_q8_0_chunk(T, U, scales_last)
 
     @cuda.jit
     def q8_0_rows(a16, row_h0, row_h, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld, row_h0_b,
                   rows_a, x_group_rows, hc_on, hc_state, hc_fb, hc_post, hc_comb):
-        pdl_enter()
+        if not PRE:
+            pdl_enter()
         part = cuda.shared.array((_NW_DENSE, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -432,15 +439,24 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False):
         acc = cuda.local.array(T, float32)
         for tt in range(T):
             acc[tt] = float32(0.0)
+        q0 = cuda.local.array(U, uint32)
+        q1 = cuda.local.array(U, uint32)
+        wd = cuda.local.array(U, float32)
+        # rows past rows_a belong to a second matrix (two matrices, one launch)
+        hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
+        if PRE:
+            if row < rows and w < nchunks:  # warp-uniform: the warp's first chunk (weights only)
+                load_fn(a16, hrow, w * U, g, t, nb, q0, q1, wd)
+            pdl_enter()                     # everything below may read what earlier grids wrote
         if row < rows:                      # warp-uniform
-            # rows past rows_a belong to a second matrix (two matrices, one launch); with
-            # x_group_rows < rows (decode only), row group k reads the k-th slice of x
-            hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
+            # with x_group_rows < rows (decode only), row group k reads the k-th slice of x
             x_tok = tok0 + row // x_group_rows if x_group_rows < rows else tok0
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
             for c in range(w, nchunks, S):
-                chunk_fn(a16, hrow, c * U, g, t, nb, xq64, xd, x_tok, n_tok, acc)
+                if not PRE or c != w:
+                    load_fn(a16, hrow, c * U, g, t, nb, q0, q1, wd)
+                dot_fn(c * U, g, t, nb, xq64, xd, x_tok, n_tok, q0, q1, wd, acc)
         for tt in range(T):
             v = acc[tt]
             v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
@@ -1335,7 +1351,8 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    kernel = _cached(("q8_0", S, T, U, sl), lambda: _q8_0_kernel(S, T, U, sl))
+    pre = _Q8_0_PRE
+    kernel = _cached(("q8_0", S, T, U, sl, pre), lambda: _q8_0_kernel(S, T, U, sl, pre))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a32 if sl else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
@@ -1507,11 +1524,8 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
     perm (the gate/up decode kernel's _IQ2_PERM_GATE_UP): the tables are the byte-permute
     selectors of iq2_selector_tables (grid_s uint32[256], ks_s uint32[129] whose last word is
     iq2_permute's byte positions) and each grid entry becomes its 8 signed weights in two words
-    (two prmt), dotted once: the same integer in half the dp4a, no byte masks. perm == 2
-    (_IQ2_ALU_SIGNS_GATE_UP): the sign selectors from iq2_sign_sel (seven ALU instructions)
-    instead of ks_s, whose last word alone is read; the same words."""
+    (two prmt), dotted once: the same integer in half the dp4a, no byte masks."""
     split = _IQ2_SPLIT_SIGNS and not perm
-    alu_signs = perm == 2
 
     @_inline
     def compute(raw, o, nsb, sb, j, valid, xsrc, xbase, xd, xbs, toks, to, cnt, grid_s, ks_s,
@@ -1524,9 +1538,7 @@ def _make_compute_iq2_xxs(T, x_regs=False, perm=False):
         pos = ks_s[128] if perm else uint32(0)              # a register operand (see iq2_permute)
         for l in range(4):
             if perm:
-                s7 = bfe(aux1, 7 * l, 7)
-                ssel = iq2_sign_sel(s7) if alu_signs else ks_s[_ix(s7)]
-                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ssel, pos)
+                w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))], ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
                 wv[2 * l] = w_lo
                 wv[2 * l + 1] = w_hi
                 continue
@@ -1736,7 +1748,7 @@ def _make_chunk_parts(wtype, T, NCH, x_regs=False, NSB=0, perm=False, repacked=F
     load, NWORDS = _make_load_iq2_xxs(NSB) if repacked else _LOADERS[wtype]()
     # perm: IQ2_XXS weights through the byte-permute selectors (_make_compute_iq2_xxs)
     assert not perm or wtype == F.IQ2_XXS
-    compute = _make_compute_iq2_xxs(T, x_regs, perm=perm) if perm else _COMPUTERS[wtype](T, x_regs)
+    compute = _make_compute_iq2_xxs(T, x_regs, perm=True) if perm else _COMPUTERS[wtype](T, x_regs)
 
     @_inline
     def load_chunk(a16, a32, roff, nsb, c0, raw, o):
@@ -1990,8 +2002,6 @@ _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_
                                # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
-_IQ2_ALU_SIGNS_GATE_UP = False  # with it: the sign selectors computed (iq2_sign_sel) instead of
-                                # read from shared memory (a candidate: kbench tune_iq2)
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
@@ -2031,7 +2041,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
     and sign tables; the same integers. repacked (IQ2_XXS, NSB > 0): the rows in
     iq2_xxs_relayout's layout; the same words."""
-    perm = perm if wtype == F.IQ2_XXS else 0
+    perm = perm and wtype == F.IQ2_XXS
     rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, repacked)   # gate row and up row together
     GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
     stage = _stages_x(wtype) and not x_regs
@@ -3339,7 +3349,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     regs = _REGS_GATE_UP
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
     x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
-    perm = (2 if _IQ2_ALU_SIGNS_GATE_UP else 1) if _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS else 0
+    perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
     repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
     if repacked and not NSB:
         raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")

@@ -61,11 +61,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   (two prmt.b32, an or and a shift: four instructions where negating by an 8-byte mask took six). pos is
   an operand so that the caller can hold it in a register: a prmt takes one immediate, and given
   two constants ptxas moved the other one from a uniform register before every prmt (SASS).
-* ``iq2_sign_sel(bits7)``: iq2_permute's ssel for one grid entry computed from its 7 stored
-  sign bits instead of read from a 128-entry table: the 8th bit by parity (popc, bfi), the bit
-  pairs (2k, 2k+1) spread into nibbles (two shift-or-mask steps), then one prmt.b32 turns each
-  pair into its selector byte (0x00, 0x04, 0x40, 0x44). Seven ALU instructions instead of a
-  shared-memory load (the gate/up decode kernel is bound by shared-memory and L1 traffic).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -224,10 +219,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def even_signs(bits7):
         b = int(bits7) & 0x7F
         return np.int32(b | ((bin(b).count("1") & 1) << 7))
-
-    def iq2_sign_sel(bits7):
-        s8 = int(even_signs(bits7))
-        return np.uint32(sum(4 << (4 * k) for k in range(8) if (s8 >> k) & 1))
 
     def pdl_enter():
         return None
@@ -578,14 +569,6 @@ else:
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,
                             "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }")
-
-    iq2_sign_sel = _unary_asm(
-        "iq2_sign_sel", types.uint32,
-        "{ .reg .b32 p, s, t, u, c; "
-        "popc.b32 p, $1; bfi.b32 s, p, $1, 7, 1; "          # the 8 sign bits (even count)
-        "shl.b32 t, s, 4; or.b32 t, t, s; and.b32 t, t, 0x0F0F; "   # nibbles 0, 2: bits 0-3, 4-7
-        "shl.b32 u, t, 2; or.b32 u, u, t; and.b32 u, u, 0x3333; "   # nibble k: bits 2k, 2k+1
-        "mov.b32 c, 0x44400400; prmt.b32 $0, c, 0, u; }")           # pair -> 0x00 04 40 44
 
     @intrinsic
     def pdl_enter(typingctx):

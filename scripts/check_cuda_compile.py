@@ -98,14 +98,14 @@ quant = {
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
- # _IQ2_ALU_SIGNS_GATE_UP: the sign selectors computed (iq2_sign_sel), on either row layout
- "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, ALU signs)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, 2), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, ALU signs, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, 2, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view
  "q8_0_rows (decode, scales-last rows)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows (decode, split-K 4, scales-last rows)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True), (u32a,) + q8_rows[1:]),
+ # _Q8_0_PRE: the first chunk of weights loaded before pdl_enter()
+ "q8_0_rows (decode, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
+ "q8_0_rows (decode, split-K 4, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then

@@ -434,52 +434,37 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(arena.copy_to_host(), before)
 
 
-def test_iq2_sign_sel_equals_the_selector_table():
-    """iq2_sign_sel (the sign selectors computed: parity, bit pairs into nibbles, one prmt) gives
-    iq2_selector_tables' sign word for each of the 128 stored sign patterns."""
-    from ds4py.kernels.cuda_intrinsics import iq2_sign_sel
+@pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1280), (4100, 4096), (64, 8192)])
+def test_q8_0_weight_prologue_same_bits(moe_knobs, rows, Kd):
+    """_Q8_0_PRE (q8_0_rows loads its first chunk of weights before pdl_enter()) changes no bit:
+    one matrix, a pair, a grouped launch, on the file's rows and scales-last ones, split-K from 8
+    (37 rows) to 1 (4100), a partial last chunk (1280: 5 steps of U 4)."""
+    rng = _rng(29)
+    wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+    wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
+    arena, (oa, ob) = _arena([wa, wb])
+    xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
+    n_groups = 4 if rows % 4 == 0 else 1
+    xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
 
-    @cuda.jit
-    def all_selectors(out):
-        i = cuda.grid(1)
-        if i < 128:
-            out[i] = iq2_sign_sel(i)
+    def outputs(sl):
+        one = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=sl)
+        pair = cuda.device_array(rows + wb.shape[0], np.float32)
+        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair, scales_last=sl)
+        grouped = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped, scales_last=sl)
+        return [a.copy_to_host() for a in (one, pair, grouped)]
 
-    out = cuda.device_array(128, np.uint32)
-    all_selectors[1, 128](out)
-    _, ssel = K.iq2_selector_tables()
-    assert np.array_equal(out.copy_to_host(), ssel)
-
-
-@pytest.mark.parametrize("repacked", [False, True])
-@pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 1, False)])
-def test_moe_gate_up_alu_signs_same_bits(moe_knobs, n_embd, nch, x_regs, repacked):
-    """_IQ2_ALU_SIGNS_GATE_UP (the byte-permute kernel computing its sign selectors instead of
-    reading them from shared memory) against the table kernel, on the file's rows and on repacked
-    ones: the same words, so mid is the same bits."""
-    rng = _rng(23)
-    n_used, n_ff = 3, 20
-    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    arena, (og, ou) = _arena([gate, up])
-    stride = gate.shape[1] * gate.shape[2]
-    slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
-    xq, xd, xbs, _ = _prepare(F.IQ2_XXS, rng.standard_normal((1, n_embd)))
-    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
-
-    def mid():
-        out = cuda.device_array((n_used, n_ff), np.float32)
-        K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, out, bsums=xbs)
-        return out.copy_to_host()
-
-    moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
-              _IQ2_REPACKED_GATE_UP=False, _IQ2_ALU_SIGNS_GATE_UP=False)
-    want = mid()
-    if repacked:
-        for o in (og, ou):
-            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
-    moe_knobs(_IQ2_REPACKED_GATE_UP=repacked, _IQ2_ALU_SIGNS_GATE_UP=True)
-    assert np.array_equal(mid(), want)
+    for sl in (False, True):
+        if sl:
+            for o, w in ((oa, wa), (ob, wb)):
+                K.q8_0_relayout(arena, o, w.shape[0], Kd)
+        moe_knobs(_Q8_0_PRE=False)
+        want = outputs(sl)
+        moe_knobs(_Q8_0_PRE=True)
+        for got, exp, what in zip(outputs(sl), want, ("one", "pair", "grouped")):
+            assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), f"{what}, scales-last {sl}"
 
 
 @pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1024), (2100, 4096), (64, 8192)])
