@@ -347,17 +347,16 @@ def bench_tune_q8(timer, copy_bw, rng, log):
 
 def bench_tune_pre(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes (scales-last rows) with q8_0_rows' first chunk of weights read
-    after pdl_enter() and before it (_Q8_0_PRE 1: into registers, 3: as L2 prefetches), alternating
-    twice; ordinary and PDL-edge graphs (the prologue can only gain in the latter), each checked
-    bit for bit."""
+    after pdl_enter() and before it (_Q8_0_PRE), alternating twice; ordinary and PDL-edge graphs
+    (the prologue can only gain in the latter), each checked bit for bit."""
     from . import cuda as CK
     shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
     res = []
     saved = CK._Q8_0_PRE
     try:
-        for rep, pre in ((0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 3)):
+        for rep, pre in ((0, False), (0, True), (1, False), (1, True)):
             CK._Q8_0_PRE = pre
-            log(f"  [_Q8_0_PRE = {pre}]")
+            log(f"  [weight prologue {'before' if pre else 'after'} pdl_enter]")
             for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes):
                 r.update(rep=rep, pre=pre)
                 res.append(r)

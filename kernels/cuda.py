@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, prefetch_l2, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .launch import install as _install_fast_launch, view as memo_view
@@ -409,18 +409,18 @@ def _make_q8_0_chunk(T, U, scales_last=False):
     return load_fn, dot_fn
 
 
-_Q8_0_PRE = 0   # q8_0_rows reads each warp's first chunk of weights before pdl_enter() (the weights
-                # never change while a graph replays, so they may be read before the grids this one
-                # waits for have finished, and their latency hides behind them): 0 never, 1 into
-                # registers, 2 into registers in split-K (S > 1) launches only, 3 as L2 prefetches
+_Q8_0_PRE = True  # q8_0_rows loads each warp's first chunk of weights before pdl_enter(): the weights
+                  # never change while a graph replays, so they may be read before the grids this
+                  # one waits for have finished, and their latency hides behind them (decode_ab on
+                  # the H200, flash at 2k: 7.90 / 7.84 -> 7.76 / 7.76 ms per step, the same logits;
+                  # in split-K launches only: 7.89 / 7.84; as L2 prefetches instead: 24.3)
 
 
 def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
     """Q8_0 rows for T tokens per block row, S warps per row (split-K). nchunks (chunks of U
     steps per row) comes from the host, and x_tok needs a division only for grouped launches:
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
-    kbench on the H200, q_b 16.5 -> 14.6 us without it). PRE: 0, "regs" or "l2" (_Q8_0_PRE; the
-    same bits)."""
+    kbench on the H200, q_b 16.5 -> 14.6 us without it). PRE: see _Q8_0_PRE (the same bits)."""
     RPB = _NW_DENSE // S   # rows per block
     finish = _make_finish(S, T)
     load_fn, dot_fn = _make_q8_0_chunk(T, U, scales_last)
@@ -448,13 +448,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
         hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
         if PRE:
             if row < rows and w < nchunks:  # warp-uniform: the warp's first chunk (weights only)
-                if PRE == "regs":
-                    load_fn(a16, hrow, w * U, g, t, nb, q0, q1, wd)
-                else:                       # one 256-byte step per lane-row pass: a line each
-                    for u in range(U):
-                        if (w * U + u) * 8 < nb:
-                            prefetch_l2(a16, _ix(hrow + 16 * ((w * U + u) * 8) + 4 * lane)
-                                        if scales_last else _ix(hrow + 17 * ((w * U + u) * 8) + 4 * lane))
+                load_fn(a16, hrow, w * U, g, t, nb, q0, q1, wd)
             pdl_enter()                     # everything below may read what earlier grids wrote
         if row < rows:                      # warp-uniform
             # with x_group_rows < rows (decode only), row group k reads the k-th slice of x
@@ -462,7 +456,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
             # chunks of U steps go round-robin to the S warps of the row; every lane adds its
             # group's blocks in increasing order
             for c in range(w, nchunks, S):
-                if PRE != "regs" or c != w:
+                if not PRE or c != w:
                     load_fn(a16, hrow, c * U, g, t, nb, q0, q1, wd)
                 dot_fn(c * U, g, t, nb, xq64, xd, x_tok, n_tok, q0, q1, wd, acc)
         for tt in range(T):
@@ -1359,7 +1353,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             off_b // 2, rows_a)
         return
     T = _tok_tile(n_tok)
-    pre = {1: "regs", 2: "regs" if S > 1 else 0, 3: "l2"}.get(_Q8_0_PRE, 0)
+    pre = bool(_Q8_0_PRE)
     kernel = _cached(("q8_0", S, T, U, sl, pre), lambda: _q8_0_kernel(S, T, U, sl, pre))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](

@@ -41,8 +41,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
-* ``prefetch_l2(a, i)``: ask L2 for the line holding element i of the global array a (PTX
-  prefetch.global.L2): no register, nothing waits for it.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
@@ -194,9 +192,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def ld_pair(s, i):
         return s[int(i)], s[int(i) + 1]
-
-    def prefetch_l2(a, i):
-        return None
 
     def ld_half(s, i):
         w = int(s[int(i) >> 1]) & 0xFFFFFFFF
@@ -458,22 +453,6 @@ else:
             return builder.zext(v, ir.IntType(32))
 
         return types.uint32(s, i), codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, a, i):
-        if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            ptr = builder.ptrtoint(builder.gep(ary.data, [idx]), ir.IntType(64))
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            asm = "{ .reg .u64 g; cvta.to.global.u64 g, $0; prefetch.global.L2 [g]; }"
-            builder.call(ir.InlineAsm(fnty, asm, "l", side_effect=True), [ptr])
-            return context.get_dummy_value()
-
-        return types.void(a, i), codegen
 
     def _asm_stmt(text):
         def typer(typingctx):

@@ -104,10 +104,9 @@ quant = {
  "q8_0_rows (decode, scales-last rows)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows (decode, split-K 4, scales-last rows)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True), (u32a,) + q8_rows[1:]),
  # _Q8_0_PRE: the first chunk of weights loaded before pdl_enter()
- "q8_0_rows (decode, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True, PRE="regs"), (u32a,) + q8_rows[1:]),
- "q8_0_rows (decode, split-K 4, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True, PRE="regs"), (u32a,) + q8_rows[1:]),
- "q8_0_rows (decode, scales-last rows, L2 prefetch prologue)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True, PRE="l2"), (u32a,) + q8_rows[1:]),
- "q8_0_rows (decode, L2 prefetch prologue)": (lambda: qk._q8_0_kernel(1, 1, PRE="l2"), q8_rows),
+ "q8_0_rows (decode, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
+ "q8_0_rows (decode, split-K 4, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
+ "q8_0_rows (decode, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, PRE=True), q8_rows),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then
