@@ -434,36 +434,49 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(arena.copy_to_host(), before)
 
 
+class _Q8Pair:
+    """Two random Q8_0 matrices (rows and rows // 2 + 1 rows of Kd) in one arena, one token's
+    activation and a grouped one (4 groups where rows divides, else 1)."""
+
+    def __init__(self, rng, rows, Kd):
+        self.rows, self.Kd = rows, Kd
+        self.wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+        self.wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
+        self.arena, (self.oa, self.ob) = _arena([self.wa, self.wb])
+        self.xq, self.xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
+        self.n_groups = 4 if rows % 4 == 0 else 1
+        self.xgq, self.xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * self.n_groups)))
+
+    def matrices(self):
+        return ((self.oa, self.wa), (self.ob, self.wb))
+
+    def decode_outputs(self, sl):
+        """The one-token launches: one matrix, the pair, the grouped projection."""
+        rows, Kd, rows_b = self.rows, self.Kd, self.wb.shape[0]
+        one = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(self.arena, self.oa, rows, Kd, self.xq, self.xd, one, scales_last=sl)
+        pair = cuda.device_array(rows + rows_b, np.float32)
+        K.matvec_q8_0_pair(self.arena, self.oa, rows, self.ob, rows_b, Kd, self.xq, self.xd, pair, scales_last=sl)
+        grouped = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0_grouped(self.arena, self.oa, rows, Kd, self.n_groups, self.xgq, self.xgd, grouped,
+                              scales_last=sl)
+        return [a.copy_to_host() for a in (one, pair, grouped)]
+
+
 @pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1280), (4100, 4096), (64, 8192)])
 def test_q8_0_weight_prologue_same_bits(moe_knobs, rows, Kd):
     """_Q8_0_PRE (q8_0_rows reads its first chunk of weights before pdl_enter()) changes no bit:
     one matrix, a pair, a grouped launch, on the file's rows and scales-last ones, split-K from 8
     (37 rows) to 1 (4100), a partial last chunk (1280: 5 steps of U 4)."""
-    rng = _rng(29)
-    wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
-    wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
-    arena, (oa, ob) = _arena([wa, wb])
-    xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
-    n_groups = 4 if rows % 4 == 0 else 1
-    xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
-
-    def outputs(sl):
-        one = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=sl)
-        pair = cuda.device_array(rows + wb.shape[0], np.float32)
-        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair, scales_last=sl)
-        grouped = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped, scales_last=sl)
-        return [a.copy_to_host() for a in (one, pair, grouped)]
-
+    q8 = _Q8Pair(_rng(29), rows, Kd)
     for sl in (False, True):
         if sl:
-            for o, w in ((oa, wa), (ob, wb)):
-                K.q8_0_relayout(arena, o, w.shape[0], Kd)
+            for o, w in q8.matrices():
+                K.q8_0_relayout(q8.arena, o, w.shape[0], Kd)
         moe_knobs(_Q8_0_PRE=False)
-        want = outputs(sl)
+        want = q8.decode_outputs(sl)
         moe_knobs(_Q8_0_PRE=True)
-        for got, exp, what in zip(outputs(sl), want, ("one", "pair", "grouped")):
+        for got, exp, what in zip(q8.decode_outputs(sl), want, ("one", "pair", "grouped")):
             assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), f"{what}, scales-last {sl}"
 
 
@@ -474,23 +487,13 @@ def test_q8_0_scales_last_rows_same_bits(moe_knobs, rows, Kd):
     split-K S = 8, 8, 2, 8 at these row counts) and the staged tensor-core prefill (cp.async and
     register staging, 40 tokens); the relayout back restores every byte."""
     rng = _rng(23)
-    wa = TD.random_weights(F.Q8_0, (rows, Kd), rng)
-    wb = TD.random_weights(F.Q8_0, (rows // 2 + 1, Kd), rng)
-    arena, (oa, ob) = _arena([wa, wb])
-    xq, xd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd)))
-    n_groups = 4 if rows % 4 == 0 else 1
-    xgq, xgd, _, _ = _prepare(F.Q8_0, rng.standard_normal((1, Kd * n_groups)))
+    q8 = _Q8Pair(rng, rows, Kd)
+    arena, oa, ob, wa, wb = q8.arena, q8.oa, q8.ob, q8.wa, q8.wb
     n_tok = 40
     xtq, xtd, _, _ = _prepare(F.Q8_0, rng.standard_normal((n_tok, Kd)))
 
     def outputs(sl):
-        one = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=sl)
-        pair = cuda.device_array(rows + wb.shape[0], np.float32)
-        K.matvec_q8_0_pair(arena, oa, rows, ob, wb.shape[0], Kd, xq, xd, pair, scales_last=sl)
-        grouped = cuda.device_array(rows, np.float32)
-        K.matvec_q8_0_grouped(arena, oa, rows, Kd, n_groups, xgq, xgd, grouped, scales_last=sl)
-        got = [a.copy_to_host() for a in (one, pair, grouped)]
+        got = q8.decode_outputs(sl)
         for cpa in (True, False):
             moe_knobs(_MMA_ST_CPASYNC=cpa)
             many = cuda.device_array((n_tok, rows + wb.shape[0]), np.float32)
