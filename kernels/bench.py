@@ -152,8 +152,6 @@ class Timer:
             launch(stream)
 
         class Replay:
-            programmatic_edges = captured.programmatic_edges
-
             def launch(self, _stream):
                 captured.replay()
 
@@ -207,7 +205,7 @@ def copy_bandwidth(timer, nbytes=2 << 30):
     return max(found.values()), found
 
 
-def _per_launch_us(timer, launch, n_launches):
+def _per_launch_us(timer, launch, n_launches, log):
     """Median us per launch of launch(stream)'s n_launches launches, replayed from a graph with
     ordinary edges and from one with programmatic edges (None where PDL is unavailable)."""
     from .graph import pdl_available
@@ -218,7 +216,7 @@ def _per_launch_us(timer, launch, n_launches):
             med_pdl, _ = timer.time_graph(timer.graph_pdl(launch))
             us_pdl = med_pdl * 1e3 / n_launches
         except Exception as e:      # the ordinary figure stands; say why the other is missing
-            print(f"  (no PDL-edge timing: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            log(f"  (no PDL-edge timing: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
     return med * 1e3 / n_launches, us_pdl
 
 
@@ -312,7 +310,7 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True)
                 CK.q8_0_relayout(arena.buf, off, rows, K)
             _launch_matmul(t, arena.buf, offs[0], rows, K, 1, act, out, 0, sl)
             bits = " same bits" if np.array_equal(out.copy_to_host(), want) else " BITS DIFFER"
-        us, us_pdl = _per_launch_us(timer, launch, copies)
+        us, us_pdl = _per_launch_us(timer, launch, copies, log)
         gbs = wbytes / (us * 1e-6) / 1e9
         r = dict(name=name, type=F.TYPE_NAMES[t], rows=rows, K=K, weight_MB=wbytes / 1e6,
                  us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies,
@@ -325,44 +323,41 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True)
     return rows_out
 
 
-def bench_tune_q8(timer, copy_bw, rng, log):
-    """The Q8_0 decode shapes in the file's layout and then in q8_0_relayout's (scales last, so a
-    lane's 8 quant bytes are one aligned load), alternating twice, each checked bit for bit."""
+def _q8_0_dense_under(timer, copy_bw, rng, log, knob, tag, variants):
+    """bench_dense on the Q8_0 decode shapes once per (rep, value, scales_last, label) of
+    variants, with kernels.cuda's `knob` set to value; each result row gets rep and tag = value.
+    The knob is restored afterwards."""
     from . import cuda as CK
     shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
     res = []
-    saved = CK._Q8_0_U
+    saved = getattr(CK, knob)
     try:
-        for rep, U, scales_last in ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True),
-                                 (0, 2, True)):
-            CK._Q8_0_U = U
-            log(f"  [U={U}{' scales-last' if scales_last else ''}]")
+        for rep, value, scales_last, label in variants:
+            setattr(CK, knob, value)
+            log(f"  [{label}]")
             for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes, scales_last=scales_last):
-                r.update(rep=rep, U=U)
+                r.update({"rep": rep, tag: value})
                 res.append(r)
     finally:
-        CK._Q8_0_U = saved
+        setattr(CK, knob, saved)
     return res
+
+
+def bench_tune_q8(timer, copy_bw, rng, log):
+    """The Q8_0 decode shapes in the file's layout and then in q8_0_relayout's (scales last, so a
+    lane's 8 quant bytes are one aligned load), alternating twice, each checked bit for bit."""
+    splits = ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True), (0, 2, True))
+    return _q8_0_dense_under(timer, copy_bw, rng, log, "_Q8_0_U", "U",
+                             [(rep, U, sl, f"U={U}{' scales-last' if sl else ''}") for rep, U, sl in splits])
 
 
 def bench_tune_pre(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes (scales-last rows) with q8_0_rows' first chunk of weights read
     after pdl_enter() and before it (_Q8_0_PRE), alternating twice; ordinary and PDL-edge graphs
     (the prologue can only gain in the latter), each checked bit for bit."""
-    from . import cuda as CK
-    shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
-    res = []
-    saved = CK._Q8_0_PRE
-    try:
-        for rep, pre in ((0, False), (0, True), (1, False), (1, True)):
-            CK._Q8_0_PRE = pre
-            log(f"  [weight prologue {'before' if pre else 'after'} pdl_enter]")
-            for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes):
-                r.update(rep=rep, pre=pre)
-                res.append(r)
-    finally:
-        CK._Q8_0_PRE = saved
-    return res
+    return _q8_0_dense_under(timer, copy_bw, rng, log, "_Q8_0_PRE", "pre",
+                             [(rep, pre, True, f"weight prologue {'before' if pre else 'after'} pdl_enter")
+                              for rep, pre in ((0, False), (0, True), (1, False), (1, True))])
 
 
 def _moe_setup(rng, n_exp=256, n_embd=4096, n_ff=2048, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
@@ -431,7 +426,7 @@ def bench_moe(timer, copy_bw, rng, log, moe):
                               "full", gu_bytes + d_bytes),
                              ("MoE gate+up fused, 6 experts (IQ2_XXS)", "gate_up", gu_bytes),
                              ("MoE down, 6 experts summed (Q2_K)", "down", d_bytes)):
-        us, us_pdl = _per_launch_us(timer, lambda s: [getattr(st, fn)(s) for st in steps], len(steps))
+        us, us_pdl = _per_launch_us(timer, lambda s: [getattr(st, fn)(s) for st in steps], len(steps), log)
         gbs = nbytes / (us * 1e-6) / 1e9
         r = dict(name=name, weight_MB=nbytes / 1e6, us=us, GBps=gbs,
                  pct_copy=100 * gbs * 1e9 / copy_bw)
