@@ -432,7 +432,7 @@ class CudaEngine:
                 b.part_sq, b.part_gram)
             return
         ops.hc_mix_partial[(n_rows + gram_rows, b.part_dot.shape[2], b.T), BLOCK, self.stream](
-            b.state, self.w16, self.off16(fn_name), b.hc_chunk, mix_dot, b.part_sq, b.part_gram)
+            b.state, self.w16, self.off16(fn_name), b.hc_chunk, mix_dot, b.part_sq, b.part_gram, ops.HC_MIX_PRE)
 
     def _hc_post(self, b, f_a, f_b, next_fn: str, done: bool = False):
         """HC post of the sublayer just computed (in place; done: the kernel that wrote f_a did it,

@@ -578,20 +578,68 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
+def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe):
+    """Time bench_moe's decode launches under each variant (a value for each of the kernels.cuda
+    knobs `names`), checking that every variant gives the bits of the first (mid and out of one
+    step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP set runs
+    on the arena's gate and up experts rewritten by iq2_xxs_relayout (and back after it)."""
+    from . import cuda as CK
+    cuda = _cuda()
+    res = []
+    saved = tuple(getattr(CK, n) for n in names)
+    n_rows = moe["n_exp"] * moe["n_ff"]
+    repacked = False
+
+    def relayout(to_repacked):
+        for o in (moe["og"], moe["ou"]):
+            CK.iq2_xxs_relayout(moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
+        cuda.synchronize()
+
+    first = None
+    try:
+        for v in variants:
+            knobs = dict(zip(names, v))
+            want = bool(knobs.get("_IQ2_REPACKED_GATE_UP", False))
+            if want != repacked:
+                relayout(want)
+                repacked = want
+            for n, value in knobs.items():
+                setattr(CK, n, value)
+            CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
+            CK._ROWDOTS.clear()
+            step = _MoEStep(moe, np.random.default_rng(1))
+            step.full(0)
+            cuda.synchronize()
+            bits = (step.ws.mid.copy_to_host(), step.out.copy_to_host())
+            first = first or bits
+            same = all(np.array_equal(a, b) for a, b in zip(bits, first))
+            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
+                r["variant"] = knobs
+                r["same_bits"] = same
+                res.append(r)
+                log(f"  [{describe(knobs)}] {r['name'][:30]:30s} {r['us']:8.2f} us "
+                    f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} %{_pdl_text(r)} "
+                    f"{'same bits' if same else 'BITS DIFFER'}")
+    finally:
+        if repacked:
+            relayout(False)
+        for n, value in zip(names, saved):
+            setattr(CK, n, value)
+        CK._KERNELS.clear()
+        CK._ROWDOTS.clear()
+    return res
+
+
 def bench_tune_moe(timer, copy_bw, rng, log, moe):
     """The routed-expert decode kernels under other launch parameters and code variants: gate/up
     rows per block, warps per block, register cap, x in registers or shared memory, the IQ2_XXS sign
     arithmetic (split: dot(g, x) - 2 dot(g & m, x)), a kernel per row length (const: the step count
     a compile-time constant, chunks of nch steps); down warps per block and register cap, or one
-    warp per slot over R rows per block (moe_down_decode_slots). Every variant must give the same bits (checked: mid and out of one step against the first
-    variant); only the time may change."""
-    from . import cuda as CK
-    cuda = _cuda()
-    res = []
+    warp per slot over R rows per block (moe_down_decode_slots). Every variant must give the same
+    bits (checked: mid and out of one step against the first variant); only the time may change."""
     names = ("_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GATE_UP", "_X_REGS_GATE_UP", "_IQ2_SPLIT_SIGNS",
              "_NW_DOWN", "_REGS_DOWN", "_CONST_STEPS_GATE_UP", "_NCH_GATE_UP", "_R_DOWN_SLOTS",
              "_IQ2_PERM_GATE_UP", "_IQ2_REPACKED_GATE_UP")
-    saved = tuple(getattr(CK, n) for n in names)
     # (gate/up with x in registers: 128 registers, 2 blocks of 8 warps per SM; with x staged in
     # shared memory: 64 registers, 4 blocks; down: one warp per output row, 64 registers = 32
     # warps per SM)
@@ -621,48 +669,30 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
     # rewritten for it and back after it
     variants = [v + (False,) for v in variants]
     variants[2:2] = [shipped + (True, True)]
-    n_rows = moe["n_exp"] * moe["n_ff"]
-    repacked = False
 
-    def relayout(to_repacked):
-        for o in (moe["og"], moe["ou"]):
-            CK.iq2_xxs_relayout(moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
-        cuda.synchronize()
+    def describe(k):
+        gu_const = ((f" const nch {k['_NCH_GATE_UP'] or 'auto'}" if k["_CONST_STEPS_GATE_UP"] else "")
+                    + (" perm" if k["_IQ2_PERM_GATE_UP"] else "") + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
+        dn = f"slots R {k['_R_DOWN_SLOTS']}" if k["_R_DOWN_SLOTS"] else f"warps {k['_NW_DOWN']} regs {k['_REGS_DOWN'] or '-'}"
+        return (f"gu rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']} regs {k['_REGS_GATE_UP'] or '-'} "
+                f"x_regs {int(k['_X_REGS_GATE_UP'])} split {int(k['_IQ2_SPLIT_SIGNS'])}{gu_const}; down {dn}")
 
-    first = None
-    try:
-        for v in variants:
-            if v[11] != repacked:
-                relayout(v[11])
-                repacked = v[11]
-            for n, value in zip(names, v):
-                setattr(CK, n, value)
-            CK._KERNELS.clear()              # the sign variant is baked into the row-dot helpers
-            CK._ROWDOTS.clear()
-            step = _MoEStep(moe, np.random.default_rng(1))
-            step.full(0)
-            cuda.synchronize()
-            bits = (step.ws.mid.copy_to_host(), step.out.copy_to_host())
-            first = first or bits
-            same = all(np.array_equal(a, b) for a, b in zip(bits, first))
-            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
-                r["variant"] = dict(zip(names, v))
-                r["same_bits"] = same
-                res.append(r)
-                gu_const = ((f" const nch {v[8] or 'auto'}" if v[7] else "") + (" perm" if v[10] else "")
-                            + (" repacked" if v[11] else ""))
-                dn = f"slots R {v[9]}" if v[9] else f"warps {v[5]} regs {v[6] or '-'}"
-                log(f"  [gu rows {v[0]} warps {v[1]} regs {v[2] or '-'} x_regs {int(v[3])} split {int(v[4])}"
-                    f"{gu_const}; down {dn}] {r['name'][:30]:30s} {r['us']:8.2f} us "
-                    f"{r['GBps']:6.0f} GB/s {r['pct_copy']:5.1f} % {'same bits' if same else 'BITS DIFFER'}")
-    finally:
-        if repacked:
-            relayout(False)
-        for n, value in zip(names, saved):
-            setattr(CK, n, value)
-        CK._KERNELS.clear()
-        CK._ROWDOTS.clear()
-    return res
+    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
+
+
+def bench_tune_gu(timer, copy_bw, rng, log, moe):
+    """The shipped IQ2_XXS gate/up decode kernel with its tables filled before or after
+    pdl_enter (_PRE_GATE_UP), on the file's rows and on repacked ones, and with other rows / warps
+    per block. Same bits checked against the first variant."""
+    names = ("_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP", "_RPB_GATE_UP", "_NW_GATE_UP")
+    variants = [(False, False, 4, 6), (True, False, 4, 6), (False, True, 4, 6), (True, True, 4, 6),
+                (True, False, 8, 8), (True, False, 3, 4), (False, False, 4, 6), (True, False, 4, 6)]
+
+    def describe(k):
+        return (f"pre {int(k['_PRE_GATE_UP'])} repacked {int(k['_IQ2_REPACKED_GATE_UP'])} "
+                f"rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
+
+    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
 # The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
@@ -879,7 +909,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -894,6 +924,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
+    if "tune_gu" in parts:
+        res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

@@ -2004,6 +2004,10 @@ _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_
                                # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
+_PRE_GATE_UP = True         # the gate/up decode kernel fills its tables before pdl_enter() (they
+                            # are constants: no grid writes them; H200, session 23: kbench tune_gu
+                            # with PDL edges 20.82 us against 22.21, decode_ab 7.865 / 7.840 ms per
+                            # step against 7.881 / 7.866)
 _NCH_GATE_UP = 0     # steps per load chunk of the gate/up decode rows (0: _nch(K), the whole row up
                      # to 4 steps); with _CONST_STEPS_GATE_UP, x stays in registers for any NCH
 _NW_DOWN = 4         # warps (output rows) per down decode block (2: 18.1 us, 4: 17.6, 8: 17.9)
@@ -2035,14 +2039,16 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
-def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, repacked=False):
+def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, repacked=False,
+                               PRE=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
     argument is ignored): the chunk loop unrolls, the bound checks of whole steps go, and with x in
     registers those of every step of the row are held (chunks of NCH < all steps possible). The
     same loads, integers and f32 operations in the same order: the same bits. perm (IQ2_XXS):
     the byte-permute selector tables (grid_g uint32[256], ks_g uint32[128]) instead of the grid
     and sign tables; the same integers. repacked (IQ2_XXS, NSB > 0): the rows in
-    iq2_xxs_relayout's layout; the same words."""
+    iq2_xxs_relayout's layout; the same words. PRE: the tables are filled before pdl_enter()
+    (constants: the fill may overlap the grid before; the same bits)."""
     perm = perm and wtype == F.IQ2_XXS
     rowdots = _rowdots(wtype, 1, 2, NCH, x_regs, NSB, perm, repacked)   # gate row and up row together
     GRID_T, KS_T, KS_N = (uint32, uint32, 129) if perm else (uint64, uint8, 128)
@@ -2055,11 +2061,16 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
     @jit
     def moe_gate_up_decode(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
-        pdl_enter()
-        if NSB:
-            nsb = NSB
+        if not PRE:
+            pdl_enter()
         grid_s = cuda.shared.array(256, GRID_T)
         ks_s = cuda.shared.array(KS_N, KS_T)
+        if PRE:
+            if tables:                                  # constants: no grid writes them
+                _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+            pdl_enter()                                 # everything below may read earlier grids' output
+        if NSB:
+            nsb = NSB
         xs = cuda.shared.array(0, int32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2071,10 +2082,10 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
         toks[1] = 0
         xbase[0] = 0
         xbase[1] = 0
-        if tables:
+        if tables and not PRE:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
-            if perm and cuda.threadIdx.x == 0:
-                ks_s[128] = uint32(0x2B190800)             # iq2_permute's bytes 0, 8, 25, 43
+        if tables and perm and cuda.threadIdx.x == 0:
+            ks_s[128] = uint32(0x2B190800)                 # iq2_permute's bytes 0, 8, 25, 43
         if stage:
             _stage_row(xs, 0, xq32, 0, k4)
         if tables:
@@ -3355,8 +3366,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
     if repacked and not NSB:
         raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked))
+    pre = _PRE_GATE_UP
+    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre),
+                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre))
     grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
     rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)

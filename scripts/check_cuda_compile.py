@@ -21,7 +21,7 @@ f32a4 = types.float32[:, :, :, ::1]; i8a2 = types.int8[:, ::1]; i32a2 = types.in
 u32a2 = types.uint32[:, ::1]; f64a2 = types.float64[:, ::1]; i64a3 = types.int64[:, :, ::1]
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a3),
- "hc_mix_partial": (f32a3, f16a, i64, i64, f32A3, f64a2, types.float64[:, :, ::1]),
+ "hc_mix_partial": (f32a3, f16a, i64, i64, f32A3, f64a2, types.float64[:, :, ::1], b1),
  "hc_mix_tokens": (f32a3, f16a, i64, i64, b1, f32A3, f64a2, types.float64[:, :, ::1]),
  "hc_sinkhorn": (f32A3, f64a2, i64, f32a, i64, i64, i64, f64, f64, f32a2, f32a2),
  "hc_pre": (f32a3, f32A3, f64a2, types.float64[:, :, ::1], f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
@@ -95,6 +95,9 @@ quant = {
  "moe_gate_up_decode IQ2_XXS (x staged, const steps, chunks of 1)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 1, 0, False, 16), moe_dec),
  # _IQ2_PERM_GATE_UP: the weights from byte-permute selector tables (uint32[256], uint32[128])
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True), moe_dec[:-2] + (u32a, u32a)),
+ # _PRE_GATE_UP: the tables filled before pdl_enter()
+ "moe_gate_up_decode IQ2_XXS (byte-permute, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, False, True), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_decode IQ2_XXS (x staged, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False, 0, False, False, True), moe_dec),
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),

@@ -206,7 +206,7 @@ class HostHcMix:
     mixer is still exercised; the kernel itself is checked with T > 1 in cuda_ops_sim_checks.py."""
 
     def __getitem__(self, launch):
-        def run(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram):
+        def run(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, pre):
             st = _host(state).astype(np.float64)
             n_tok, n_hc, n_embd = st.shape
             n_rows = part_dot.shape[1]

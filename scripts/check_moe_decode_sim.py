@@ -192,6 +192,17 @@ def main():
         print(f"{'ok ' if ok else 'BAD'} gate/up repacked rows: K {n_embd}, nch {nch or 'auto'}, "
               f"x {'registers' if x_regs else 'shared'}, byte-permute weights", flush=True)
     _knobs(_IQ2_PERM_GATE_UP=False, _IQ2_REPACKED_GATE_UP=False)
+    # the tables filled before pdl_enter (_PRE_GATE_UP)
+    for n_embd, perm in ((1024, True), (768, False)):
+        _knobs(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _X_REGS_GATE_UP=True,
+               _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False)
+        ref = gate_up(n_embd, 3, 2, 5)
+        _knobs(_CONST_STEPS_GATE_UP=True, _IQ2_PERM_GATE_UP=perm, _PRE_GATE_UP=True)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 5), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up tables before pdl_enter: K {n_embd}"
+              f"{', byte-permute weights' if perm else ''}", flush=True)
+    _knobs(_IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False)
     if only == "perm":
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0

@@ -55,7 +55,20 @@ def check_hc(n_tok):
     part_sq = cuda.device_array((n_tok, n_chunks), np.float64)
     part_gram = cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64)
     ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), 64](
-        d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram)
+        d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram, True)
+    # weights loaded after pdl_enter (PRE False) against before it, with blocks of 64 threads and of
+    # 16 (128 > 4 x 16: half the chunk in the loop after the first four values per thread)
+    for threads in (64, 16):
+        runs = []
+        for pre in (True, False):
+            runs.append(tuple(cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram)))
+            ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), threads](
+                d_state, d_arena.view(np.float16), 0, chunk, *runs[-1], pre)
+        same = all(np.array_equal(a.copy_to_host(), b.copy_to_host()) for a, b in zip(*runs))
+        print(("ok " if same else "BAD") + f" hc_mix_partial, {threads} threads: weights before pdl_enter "
+              f"bitwise equal to after: {same}")
+        if not same:
+            raise SystemExit("hc_mix_partial's weight prologue changed its partials")
     # the prefill form (block per chunk and token) gives the same partials, bit for bit
     tok_dot, tok_sq, tok_gram = (cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram))
     ops.hc_mix_tokens[(n_chunks, (n_tok + ops.HC_TOKENS - 1) // ops.HC_TOKENS), 64](d_state, d_arena.view(np.float16), 0, chunk, True, tok_dot,

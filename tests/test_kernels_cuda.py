@@ -305,7 +305,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -387,6 +387,15 @@ def test_moe_gate_up_byte_permute_same_bits(experts, moe_knobs, nch, x_regs):
                                       _IQ2_PERM_GATE_UP=True)
 
 
+@pytest.mark.parametrize("perm,nch", [(True, 0), (True, 2), (False, 0)])
+def test_moe_gate_up_tables_before_pdl_enter_same_bits(experts, moe_knobs, perm, nch):
+    """_PRE_GATE_UP (the gate/up decode kernel fills its IQ2_XXS tables before pdl_enter) against
+    the first gate/up kernel: the same table words, so mid and the output are the same bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 19, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch,
+                                      _RPB_GATE_UP=4, _NW_GATE_UP=6, _X_REGS_GATE_UP=True,
+                                      _IQ2_PERM_GATE_UP=perm, _PRE_GATE_UP=True)
+
+
 @pytest.mark.parametrize("n_embd", [768, 1024, 4608])
 @pytest.mark.parametrize("nch", [0, 1])
 def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
@@ -398,6 +407,8 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch)
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
     moe_knobs(_IQ2_PERM_GATE_UP=True)               # the byte-permute weights on the same rows
+    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
+    moe_knobs(_PRE_GATE_UP=True)                     # the tables filled before pdl_enter
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
@@ -428,6 +439,8 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
     assert not np.array_equal(arena.copy_to_host(), before)
     moe_knobs(_IQ2_REPACKED_GATE_UP=True)
+    assert np.array_equal(mid(), want)
+    moe_knobs(_PRE_GATE_UP=True)                     # the tables filled before pdl_enter
     assert np.array_equal(mid(), want)
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
