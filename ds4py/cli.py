@@ -6,6 +6,7 @@ non-zero exit; no traceback reaches the terminal for them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -52,8 +53,13 @@ def main() -> None:
 class CompileNotice:
     """Says when numba starts compiling kernels and adds up the seconds it spends (with
     `install()`). A first run compiles the CPU engine's kernels for about a minute inside the
-    first prefill (numba then caches them on disk, so the next run loads them in seconds); without
-    a word the terminal looks hung and the prefill rate is wrong by 100x."""
+    first prefill (numba then caches them on disk, so the next run loads them in seconds), and
+    every GPU run compiles its CUDA kernels at their first launch; without a word the terminal
+    looks hung and the prefill rate is wrong by 100x.
+
+    numba-cuda reports its compiles on its own event bus (numba.cuda.core.event) and not as
+    "numba:compile": the CUDA side is heard through its compiler lock, held for each compile (and
+    each kernel loaded from numba's disk cache: part of the same start-up cost)."""
 
     def __init__(self, say):
         self.say = say
@@ -66,16 +72,27 @@ class CompileNotice:
         """A context manager: listen to numba's compile events while it is open."""
         from numba.core import event
 
+        stack = contextlib.ExitStack()
+        stack.enter_context(event.install_listener("numba:compile", self._listener(event)))
+        try:
+            from numba.cuda.core import event as cuda_event
+        except ImportError:                # numba without numba-cuda: CPU compiles only
+            return stack
+        stack.enter_context(cuda_event.install_listener("numba-cuda:compiler_lock", self._listener(cuda_event)))
+        return stack
+
+    def _listener(self, bus):
+        """A listener of the event bus `bus` (numba's or numba-cuda's: each has its own class)."""
         notice = self
 
-        class Listener(event.Listener):
+        class Listener(bus.Listener):
             def on_start(self, ev):
                 notice._start()
 
             def on_end(self, ev):
                 notice._end()
 
-        return event.install_listener("numba:compile", Listener())
+        return Listener()
 
     def _start(self) -> None:
         depth = getattr(self._local, "depth", 0)
@@ -86,7 +103,7 @@ class CompileNotice:
                 first, self._said = not self._said, True
             if first:
                 self.say("ds4py: compiling kernels with numba (the CPU engine's are cached on disk "
-                         "after their first run)")
+                         "after their first run; most CUDA kernels compile in every run)")
 
     def _end(self) -> None:
         self._local.depth -= 1

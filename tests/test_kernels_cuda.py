@@ -1075,3 +1075,27 @@ def test_q8_0_mma_staged_lean_pair_same_bits(rows_a, rows_b, extra_b, monkeypatc
         outs.append(out.copy_to_host())
     for o in outs[1:]:
         assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32))
+
+
+def test_compile_notice_hears_a_cuda_compile_and_small_grids_do_not_warn():
+    """A CUDA kernel compiled at its first launch under CompileNotice makes it speak once and
+    count seconds (numba-cuda reports no "numba:compile" event for it), and a one-block launch,
+    the decode chain's kind, raises no NumbaPerformanceWarning (kernels/compat.py turns numba-cuda's
+    low-occupancy warning off)."""
+    import warnings
+    from numba.core.errors import NumbaPerformanceWarning
+    from ds4py.cli import CompileNotice
+
+    @cuda.jit
+    def fill(out, value):
+        out[cuda.grid(1)] = value
+
+    said = []
+    notice = CompileNotice(said.append)
+    out = cuda.device_array(32, np.float32)
+    with notice.install(), warnings.catch_warnings():
+        warnings.simplefilter("error", NumbaPerformanceWarning)
+        fill[1, 32](out, np.float32(2.5))
+        cuda.synchronize()
+    assert np.all(out.copy_to_host() == 2.5)
+    assert len(said) == 1 and "compiling kernels" in said[0] and notice.seconds > 0.0

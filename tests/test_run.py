@@ -238,3 +238,25 @@ def test_compile_notice_says_once_and_times_only_real_compiles():
     with again.install():
         assert outer(3.0) == 7.0
     assert len(said) == 1 and again.seconds == 0.0
+
+
+def test_compile_notice_hears_numba_cuda_compiles():
+    """numba-cuda does not send "numba:compile" for a CUDA kernel; it holds its compiler lock,
+    which it announces on its own event bus (re-entered while it compiles). CompileNotice must
+    speak at the first hold and count the outermost holds' seconds (the GPU engine's compiles;
+    a real one: test_kernels_cuda.py, on the GPU)."""
+    import time
+    from numba.cuda.core import event as cuda_event
+    from ds4py.cli import CompileNotice
+
+    said = []
+    notice = CompileNotice(said.append)
+    with notice.install():
+        with cuda_event.trigger_event("numba-cuda:compiler_lock"):
+            with cuda_event.trigger_event("numba-cuda:compiler_lock"):
+                time.sleep(0.05)
+    assert len(said) == 1 and "compiling kernels" in said[0]
+    assert 0.05 <= notice.seconds < 5.0
+    with cuda_event.trigger_event("numba-cuda:compiler_lock"):    # after install(): not heard
+        pass
+    assert len(said) == 1
