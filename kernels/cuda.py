@@ -50,13 +50,25 @@ FAST_LAUNCH = _install_fast_launch()
 # the simulator too (those using mma_s8, a warp-wide instruction it lacks, excepted). On a GPU
 # they are exactly the options they name.
 _inline = forceinline
+
+# numba-cuda's disk cache for the factory kernels below (off: not yet timed or GPU-tested with it
+# on). Its key is the signature, the target, the function's bytecode and a pickle of its closure's
+# cells, so every variant a factory builds gets its own entry, provided that (1) the pickle is
+# the same in every process (cuda_intrinsics gives its intrinsics fixed uuids for that), (2) a
+# kernel body reads no module-level knob, only closure constants (tests/test_kernels.py checks
+# both), and (3) no register cap: max_registers is not in the key, so capped kernels are never
+# cached. Without it a GPU `ds4py run` compiles these kernels again in every process (~40 s).
+_CACHE_KERNELS = False
+
 if SIMULATOR:
     def _jit_capped(max_regs):
         return cuda.jit
 else:
     def _jit_capped(max_regs):
-        """cuda.jit with a register cap (0: none)."""
-        return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+        """cuda.jit with a register cap (0: none); uncapped ones disk-cached with _CACHE_KERNELS."""
+        if max_regs:
+            return cuda.jit(max_registers=max_regs)
+        return cuda.jit(cache=True) if _CACHE_KERNELS else cuda.jit
 
 # Array indices in the hot loops are cast to unsigned: numba then skips its negative-index
 # wraparound code (3-4 extra instructions per load).
@@ -421,16 +433,17 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
     steps per row) comes from the host, and x_tok needs a division only for grouped launches:
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
     kbench on the H200, q_b 16.5 -> 14.6 us without it). PRE: see _Q8_0_PRE (the same bits)."""
-    RPB = _NW_DENSE // S   # rows per block
+    NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
+    RPB = NWD // S   # rows per block
     finish = _make_finish(S, T)
     load_fn, dot_fn = _make_q8_0_chunk(T, U, scales_last)
 
-    @cuda.jit
+    @_jit_capped(0)
     def q8_0_rows(a16, row_h0, row_h, rows, nb, nchunks, xq64, xd, n_tok, out, out_ld, row_h0_b,
                   rows_a, x_group_rows, hc_on, hc_state, hc_fb, hc_post, hc_comb):
         if not PRE:
             pdl_enter()
-        part = cuda.shared.array((_NW_DENSE, T), float32)
+        part = cuda.shared.array((NWD, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         g = lane >> 2
@@ -502,7 +515,8 @@ _MMA_G_REGS = 80      # its register cap: 3 blocks per SM (H200, 4096->2048 x 20
 
 
 def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
-    NE = 4 * _MMA_NT
+    NT = _MMA_NT   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
+    NE = 4 * NT
     SC = 4 * NE * 32
 
     @_inline
@@ -529,7 +543,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
         tig = lane & 3
         g = warp
         row0 = cuda.blockIdx.x * 16
-        tok0 = cuda.blockIdx.y * (8 * _MMA_NT)
+        tok0 = cuda.blockIdx.y * (8 * NT)
         r_lo = min(row0 + gid, rows - 1)              # a short last tile repeats a row
         r_hi = min(row0 + gid + 8, rows - 1)
         h_lo = _pair_row(r_lo, rows_a, row_h0, row_h0_b, row_h)
@@ -553,7 +567,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
                         a3 = _u16pair(a16, hb_hi + 3 + 4 * tig)
                         wd_lo = f16_bits_to_f32(a16[_ix(hb_lo)])
                         wd_hi = f16_bits_to_f32(a16[_ix(hb_hi)])
-                        for nt in range(_MMA_NT):
+                        for nt in range(NT):
                             tb = min(tok0 + 8 * nt + gid, n_tok - 1)
                             bx = xq64[_ix(tb * words + 4 * b + tig)]
                             c0, c1, c2, c3 = mma_s8(a0, a1, a2, a3, bx, bx >> 32)
@@ -570,7 +584,7 @@ def _q8_0_mma_kernel(S, U, max_regs=_MMA_G_REGS):
             meet(acc, comb, warp, lane, 2, 2)         # (g0 + g4) + (g2 + g6), (g1 + g5) + (g3 + g7)
             meet(acc, comb, warp, lane, 1, 1)         # left + right
             if warp == 0:
-                for nt in range(_MMA_NT):
+                for nt in range(NT):
                     for k in range(4):
                         row = row0 + gid + 8 * (k >> 1)
                         tok = tok0 + 8 * nt + 2 * tig + (k & 1)
@@ -1033,9 +1047,11 @@ def _f16_kernel(S, T, R=1, NF=0):
     weight loads written ahead of the fma's in an unrolled loop (ptxas sm_90 keeps ~12 in flight;
     the loop below issues a step's loads only once the step before has its words), the same fma
     order."""
+    NWD = _NW_DENSE
+    FU = _F16_U   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     assert NF == 0 or (S == 1 and T == 1 and R == 1)
     NFA = max(1, NF)       # local array sizes must be plain constants for numba
-    RPB = _NW_DENSE // S   # row groups per block
+    RPB = NWD // S   # row groups per block
     RT = R * T
     finish = _make_finish(S, T)
 
@@ -1054,10 +1070,10 @@ def _f16_kernel(S, T, R=1, NF=0):
                         acc[r * T + tt] = cuda.fma(w0[r], xv.real, acc[r * T + tt])
                         acc[r * T + tt] = cuda.fma(w1[r], xv.imag, acc[r * T + tt])
 
-    @cuda.jit
+    @_jit_capped(0)
     def f16_rows(a32, row_w0, row_w, rows, npairs, x64, n_tok, out, out_ld, row_w0_b, rows_a):
         pdl_enter()
-        part = cuda.shared.array((_NW_DENSE, T), float32)
+        part = cuda.shared.array((NWD, T), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         w = warp % S
@@ -1081,16 +1097,16 @@ def _f16_kernel(S, T, R=1, NF=0):
                 # the H200: indexer proj 4096->64 11 -> 3.3 us, router 5.5 -> 4.5; but the one-warp-
                 # per-row indexer q_b 1024->8192 went 11 -> 17 us in chunks of 8, so S = 1 keeps
                 # the loop below)
-                wv = cuda.local.array(_F16_U, uint32)
-                xv = cuda.local.array(_F16_U, complex64)
+                wv = cuda.local.array(FU, uint32)
+                xv = cuda.local.array(FU, complex64)
                 n_mine = (nfull - w + S - 1) // S
-                for c0 in range(0, n_mine, _F16_U):
-                    for u in range(_F16_U):
+                for c0 in range(0, n_mine, FU):
+                    for u in range(FU):
                         p = (w + S * (c0 + u)) * WARP + lane
                         if c0 + u < n_mine:
                             wv[u] = a32[_ix(wrow[0] + p)]
                             xv[u] = x64[_ix(p)]
-                    for u in range(_F16_U):
+                    for u in range(FU):
                         if c0 + u < n_mine:
                             acc[0] = cuda.fma(f16_bits_to_f32(wv[u] & _M16), xv[u].real, acc[0])
                             acc[0] = cuda.fma(f16_bits_to_f32(wv[u] >> uint32(16)), xv[u].imag, acc[0])
@@ -1162,9 +1178,10 @@ def _f16_tiled_kernel(S, NP, R, T, max_regs=0, PREFETCH=False):
     """F16 x f32 over rows of NP weight pairs (a compile-time constant), R rows x T tokens per warp,
     S warps per row group (split-K); see above. PREFETCH: each step's words loaded during the
     previous step's fma's (two register sets)."""
+    NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     if (R * T) % WARP:
         raise ValueError("f16_rows_tiled: R * T must be a multiple of 32")
-    RPB = _NW_DENSE // S   # row groups per block
+    RPB = NWD // S   # row groups per block
     RT = R * T
     NG = RT // WARP        # sums per lane after the transposing butterfly
     NFULL = NP >> 5        # whole steps of 32 pairs
@@ -1196,7 +1213,7 @@ def _f16_tiled_kernel(S, NP, R, T, max_regs=0, PREFETCH=False):
     @_jit_capped(max_regs)
     def f16_rows_tiled(a32, row_w0, rows_a, row_w0_b, rows_b, x64, n_tok, out, out_ld, groups_a, n_groups):
         pdl_enter()
-        part = cuda.shared.array((_NW_DENSE, RT), float32)
+        part = cuda.shared.array((NWD, RT), float32)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         w = warp % S
@@ -1852,11 +1869,12 @@ _NW_Q8K = 8   # warps per block in the Q8_K-activation kernels
 
 def _q8k_dense_kernel(wtype, T, R, NCH):
     """matvec / matmul for IQ2_XXS, Q2_K, Q4_K: each warp does R rows at once, T tokens."""
+    NWQ = _NW_Q8K   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     rowdots = _rowdots(wtype, T, R, NCH)
     stage = _stages_x(wtype)
     RT = R * T
 
-    @cuda.jit
+    @_jit_capped(0)
     def q8k_rows(a16, a32, off, rb, rows, nsb, xq32, xd, xbs, n_tok, out, out_ld, grid_g, ks_g):
         pdl_enter()
         grid_s = cuda.shared.array(256, uint64)
@@ -1880,7 +1898,7 @@ def _q8k_dense_kernel(wtype, T, R, NCH):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, xq32, (tok0 + tt) * k4, k4)
             cuda.syncthreads()
-        row0 = (cuda.blockIdx.x * _NW_Q8K + warp) * R
+        row0 = (cuda.blockIdx.x * NWQ + warp) * R
         if row0 < rows:                                   # warp-uniform
             roffs = cuda.local.array(R, int64)
             for r in range(R):
@@ -2287,11 +2305,12 @@ def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
 def _moe_gate_up_tiles_kernel(wtype, T, NCH):
     """Prefill: each block takes one tile (<= T (token, slot) pairs sharing an expert) and
     NW rows; gate and up for all pairs of the tile, the same arithmetic as decode."""
+    NWM = _NW_MOE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     rowdots = _rowdots(wtype, T, 2, NCH)
     stage = _stages_x(wtype)
     T2 = 2 * T
 
-    @cuda.jit
+    @_jit_capped(0)
     def moe_gate_up_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq32, xd,
                           xbs, nsb, route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         pdl_enter()
@@ -2320,7 +2339,7 @@ def _moe_gate_up_tiles_kernel(wtype, T, NCH):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, xq32, toks[tt] * k4, k4)
             cuda.syncthreads()
-        r = cuda.blockIdx.x * _NW_MOE + warp
+        r = cuda.blockIdx.x * NWM + warp
         if r < n_ff:                          # warp-uniform
             roffs = cuda.local.array(2, int64)
             roffs[0] = tile_off[tile * 3] + r * rb
@@ -2352,12 +2371,13 @@ def _moe_gate_up_tiles_mma_kernel(NH):
     make the super-block's integer sum, which meets the f32 side in the decode kernel's order: lane
     group q = sb % 4 accumulates fma(d_w·d_x, sum) over its super-blocks, then (q0 + q2) + (q1 +
     q3), times 1/8. So mid equals moe_decode's bit for bit, whatever NH."""
+    NWM = _MMA_WARPS   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
     TILE = 8 * NH
     NACC = 32 * NH
     NB = 4 * NH
 
-    @cuda.jit
+    @_jit_capped(0)
     def moe_gate_up_tiles_mma(a16, tile_off, tile_tok, tile_slot, tile_cnt, n_used, xq64, xd, nsb,
                               route_w, clamp, n_ff, rb, mid, grid_g, ks_g):
         pdl_enter()
@@ -2373,7 +2393,7 @@ def _moe_gate_up_tiles_mma_kernel(NH):
         lane = cuda.threadIdx.x & 31
         gid = lane >> 2
         tig = lane & 3
-        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
+        row0 = (cuda.blockIdx.x * NWM + warp) * 16
         if row0 >= n_ff:                               # warp-uniform, after the only barrier
             return
         r_lo = min(row0 + gid, n_ff - 1)
@@ -2536,11 +2556,12 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
     tiles), 256 threads; the launch of _moe_gate_up_tiles_mma_kernel with the selector tables
     (iq2_selector_tables) as its last two arguments instead of the grid and sign tables, and the
     same numbers."""
+    GROWS = _GU_ST_ROWS   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     scale = float32(_FINAL_SCALE[F.IQ2_XXS])
     TILE = 8 * NH
     NB = 4 * NH
     NACC = 4 * NB
-    ROWS = 2 * _GU_ST_ROWS
+    ROWS = 2 * GROWS
     WP = _GU_ST_WPAD
     XP = _GU_ST_XPAD
     RPW = ROWS // 8
@@ -2681,7 +2702,7 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
         lane = tid & 31
         gid = lane >> 2
         tig = lane & 3
-        row0 = cuda.blockIdx.x * _GU_ST_ROWS
+        row0 = cuda.blockIdx.x * GROWS
         base = tile * TILE
         for i in range(tid, 256, cuda.blockDim.x):
             gsel_s[i] = gsel_g[i]
@@ -2692,7 +2713,7 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
         wbase_g = tile_off[tile * 3] >> 2              # the matrices' first 32-bit words
         wbase_u = tile_off[tile * 3 + 1] >> 2
         if tid < ROWS:                                 # staged row tid: matrix tid >> 6
-            r = min(row0 + (tid & (_GU_ST_ROWS - 1)), n_ff - 1)      # a short last group repeats a row
+            r = min(row0 + (tid & (GROWS - 1)), n_ff - 1)      # a short last group repeats a row
             roff[tid] = uint32((r * rb) >> 2)
             rbase[tid] = (tile_off[tile * 3 + (tid >> 6)] + r * rb) >> 2
         tok_w = cuda.local.array(PPW, int64)
@@ -2768,11 +2789,12 @@ def _moe_down_tiles_mma_kernel(NH):
     weights; the mins term Σ min·bsum is integer too. The f32 side is the decode kernel's:
     term = fma(d_x·d, isum, -(d_x·dmin)·summs) added per lane group q = sb % 4, then
     (q0 + q2) + (q1 + q3): pair_out equals moe_decode's per-slot result bit for bit, whatever NH."""
+    NWM = _MMA_WARPS   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     TILE = 8 * NH
     NACC = 16 * NH
     NI = 4 * NH
 
-    @cuda.jit
+    @_jit_capped(0)
     def moe_down_tiles_mma(a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq64, md, mbs, nsb, rb,
                            n_embd, pair_out):
         pdl_enter()
@@ -2784,7 +2806,7 @@ def _moe_down_tiles_mma_kernel(NH):
         lane = cuda.threadIdx.x & 31
         gid = lane >> 2
         tig = lane & 3
-        row0 = (cuda.blockIdx.x * _MMA_WARPS + warp) * 16
+        row0 = (cuda.blockIdx.x * NWM + warp) * 16
         if row0 >= n_embd:                             # warp-uniform; no barrier in this kernel
             return
         r_lo = min(row0 + gid, n_embd - 1)
@@ -3197,10 +3219,11 @@ def _iq2_entry(grid_s, ks_s, aux0, aux1, l):
 
 def _moe_down_tiles_kernel(wtype, T, NCH):
     """Prefill: each (token, slot) pair's down projection, written to pair_out[pair, n_embd]."""
+    NWM = _NW_MOE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     rowdots = _rowdots(wtype, T, 1, NCH)
     stage = _stages_x(wtype)
 
-    @cuda.jit
+    @_jit_capped(0)
     def moe_down_tiles(a16, a32, tile_off, tile_tok, tile_slot, tile_cnt, n_used, mq32, md, mbs,
                        nsb, rb, n_embd, pair_out, grid_g, ks_g):
         pdl_enter()
@@ -3227,7 +3250,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
                 if tt < cnt:
                     _stage_row(xs, tt * pad, mq32, toks[tt] * k4, k4)
             cuda.syncthreads()
-        r = cuda.blockIdx.x * _NW_MOE + warp
+        r = cuda.blockIdx.x * NWM + warp
         if r < n_embd:
             roffs = cuda.local.array(1, int64)
             roffs[0] = tile_off[tile * 3 + 2] + r * rb

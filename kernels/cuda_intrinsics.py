@@ -582,3 +582,12 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+
+    # Fixed uuids: an intrinsic pickles with its uuid, by default a new uuid1 per process, and
+    # numba-cuda's disk cache keys a kernel by a pickle of its closure, which reaches these
+    # through the device functions it calls (kernels/cuda.py, _CACHE_KERNELS).
+    from numba.cuda.extending import _Intrinsic
+
+    for _name, _obj in list(globals().items()):
+        if isinstance(_obj, _Intrinsic):
+            _obj._set_uuid("ds4py.kernels.cuda_intrinsics." + _name)

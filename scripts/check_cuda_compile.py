@@ -3,14 +3,15 @@
 Needs NVVM and NVRTC (`pip install "cuda-toolkit[nvvm,nvrtc,cudart]==13.0.*"`); catches typing
 errors before any device time is spent: `python scripts/check_cuda_compile.py`. With `--ptxas`
 (ptxas on PATH) each PTX is also assembled for sm_90 and its registers, spills and stack frame
-are printed: a stack frame means a local array numba could not keep in registers (hc_pre had one)."""
+are printed: a stack frame means a local array numba could not keep in registers (hc_pre had one).
+
+Imported (not run), it is the catalogue of kernels: `sigs` (cuda_ops) and `quant` (the factory
+kernels of kernels/cuda.py), which tests/test_kernels.py reads."""
 import sys
 
 import numpy as np
 from ds4py.kernels import cuda as qk, cuda_ops as ops
 from numba import cuda, types
-import numba.cuda.dispatcher as _disp
-_disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)})()   # no GPU here
 f32a = types.float32[::1]; f32a2 = types.float32[:, ::1]; i32a = types.int32[::1]; i8a = types.int8[::1]
 f16a = types.float16[::1]; u32a = types.uint32[::1]; i64a2 = types.int64[:, ::1]; i64a = types.int64[::1]
 i64 = types.int64; f64 = types.float64; b1 = types.boolean
@@ -175,28 +176,36 @@ quant = {
                                                 dn_staged, qk._DN_ST_REGS),
 }
 
-bad = 0
-report = "--ptxas" in sys.argv
-# --dump DIR: each kernel's PTX into DIR/<name>.ptx (a refactor meant to change no instruction:
-# dump before and after, then diff)
-dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv else None
-# a third element of a quant entry: the register cap the kernel is built with (_jit_capped)
-kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig, 0) for name, sig in sigs.items()]
-kernels += [(name, lambda f=entry[0]: f().py_func, entry[1], entry[2] if len(entry) > 2 else 0)
-            for name, entry in quant.items()]
-# a cuda_ops kernel's launch bounds (@cuda.jit(launch_bounds=...)) cap its registers as the launch
-# compiles it: the PTX carries them (.maxntid, .minnctapersm)
-bounds = {name: getattr(ops, name).targetoptions.get("launch_bounds") for name in sigs}
-for name, func, sig, max_regs in kernels:
-    try:
-        ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
-        print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
-        if dump:
-            import os
-            os.makedirs(dump, exist_ok=True)
-            with open(os.path.join(dump, name.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
-                f.write(ptx)
-    except Exception as e:
-        bad += 1
-        print("BAD", name, str(e).splitlines()[0][:300])
-raise SystemExit(bad)
+
+def main() -> None:
+    import numba.cuda.dispatcher as _disp
+    _disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)})()   # no GPU here
+    bad = 0
+    report = "--ptxas" in sys.argv
+    # --dump DIR: each kernel's PTX into DIR/<name>.ptx (a refactor meant to change no instruction:
+    # dump before and after, then diff)
+    dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv else None
+    # a third element of a quant entry: the register cap the kernel is built with (_jit_capped)
+    kernels = [(name, lambda n=name: getattr(ops, n).py_func, sig, 0) for name, sig in sigs.items()]
+    kernels += [(name, lambda f=entry[0]: f().py_func, entry[1], entry[2] if len(entry) > 2 else 0)
+                for name, entry in quant.items()]
+    # a cuda_ops kernel's launch bounds (@cuda.jit(launch_bounds=...)) cap its registers as the launch
+    # compiles it: the PTX carries them (.maxntid, .minnctapersm)
+    bounds = {name: getattr(ops, name).targetoptions.get("launch_bounds") for name in sigs}
+    for name, func, sig, max_regs in kernels:
+        try:
+            ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
+            print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
+            if dump:
+                import os
+                os.makedirs(dump, exist_ok=True)
+                with open(os.path.join(dump, name.replace(" ", "_").replace("/", "_") + ".ptx"), "w") as f:
+                    f.write(ptx)
+        except Exception as e:
+            bad += 1
+            print("BAD", name, str(e).splitlines()[0][:300])
+    raise SystemExit(bad)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@ same activation quantization (part of ds4's numerics), so that bound is the tole
 enough that one wrong sign, scale or index in a row fails it by orders of magnitude.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -350,3 +352,83 @@ def test_every_cuda_kernel_starts_with_pdl_enter():
             missing.append(f"{path.name}:{node.lineno} {node.name}")
     assert found >= 35, f"only {found} kernels found: the decorator scan is broken"
     assert not missing, "kernels that do not start with pdl_enter(): " + ", ".join(missing)
+
+
+# ---- the factory kernels' disk-cache keys (kernels/cuda.py, _CACHE_KERNELS) -----------------------
+
+def _kernel_catalogue():
+    """scripts/check_cuda_compile.py's catalogue of the factory kernels: name -> builder."""
+    import runpy
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_cuda_compile.py"
+    quant = runpy.run_path(str(path), run_name="catalogue")["quant"]
+    return {name: entry[0] for name, entry in quant.items()}
+
+
+_CLOSURE_HASHES = """
+import hashlib, runpy, sys
+from numba.cuda.serialize import dumps
+quant = runpy.run_path(sys.argv[1], run_name="catalogue")["quant"]
+for name, entry in quant.items():
+    f = entry[0]().py_func
+    cells = tuple(c.cell_contents for c in (f.__closure__ or ()))
+    print(name, hashlib.sha256(dumps(cells)).hexdigest())
+"""
+
+
+def test_factory_kernel_closures_pickle_the_same_in_every_process():
+    """numba-cuda's disk cache keys a kernel by a pickle of its closure's cells: the factory
+    kernels can be cached only if that pickle is the same in every process. It was not while the
+    intrinsics pickled with a per-process uuid (cuda_intrinsics now gives them fixed ones)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_cuda_compile.py"
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    runs = [subprocess.run([sys.executable, "-c", _CLOSURE_HASHES, str(path)], capture_output=True,
+                           text=True, timeout=300, env=env) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (r.stdout.splitlines() for r in runs)
+    assert len(first) >= 40, "the catalogue lost its kernels"
+    changed = [a.split()[0] for a, b in zip(first, second) if a != b]
+    assert not changed, f"closure pickles differ between processes: {changed}"
+
+
+# the only module-level scalars a factory kernel may read as globals: values no knob changes
+KERNEL_CONSTANTS = {"FULL_MASK", "WARP", "HC_MAX", "_M16", "_M32", "_LOW2", "_LOW4", "_MAGIC", "_MAGIC_F"}
+
+
+def _scalar_globals(func, seen):
+    """Names of the module-level int/float/bool globals that func and the device functions it
+    calls (through its closure or its globals) read."""
+    import types as pytypes
+    found = set()
+    if id(func) in seen:
+        return found
+    seen.add(id(func))
+    for name in func.__code__.co_names:
+        value = func.__globals__.get(name)
+        if isinstance(value, (bool, int, float, np.integer, np.floating)):
+            found.add(name)
+        inner = getattr(value, "py_func", value)
+        if isinstance(inner, pytypes.FunctionType):
+            found |= _scalar_globals(inner, seen)
+    for cell in func.__closure__ or ():
+        inner = getattr(cell.cell_contents, "py_func", None)
+        if inner is not None:
+            found |= _scalar_globals(inner, seen)
+    return found
+
+
+def test_factory_kernels_read_knobs_only_through_their_closure():
+    """The disk cache's key holds a kernel's closure but not the module globals it reads, and the
+    tests and kbench set kernels/cuda.py knobs at run time: a kernel that read a knob as a global
+    could be loaded from the cache compiled with another value. So the factories bind every knob
+    to a closure constant; as globals the kernels read only fixed values (KERNEL_CONSTANTS)."""
+    bad = {}
+    for name, build in _kernel_catalogue().items():
+        extra = _scalar_globals(build().py_func, set()) - KERNEL_CONSTANTS
+        if extra:
+            bad[name] = sorted(extra)
+    assert not bad, f"kernels that read module knobs as globals: {bad}"
