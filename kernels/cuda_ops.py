@@ -30,8 +30,8 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
-from ds4py.kernels.cuda_intrinsics import (add_rn, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc, mul_rn,
-                                           pack_f16x2, pdl_enter, split_f16x2)
+from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc,
+                                           mul_rn, pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -287,6 +287,15 @@ def hc_chunk(n_embd: int) -> int:
     return min(HC_CHUNK, n_embd)
 
 
+@forceinline
+def mixer_first_weights(w16, base, chunk_len, first):
+    """hc_mix_partial's first HC_PRE_VALS weights of this thread (j = tid + k · blockDim, 0 past
+    the chunk) into `first` (a local array indexed by constants: registers)."""
+    for k in range(HC_PRE_VALS):
+        j = cuda.threadIdx.x + k * cuda.blockDim.x
+        first[k] = float32(w16[base + j]) if j < chunk_len else float32(0.0)
+
+
 @cuda.jit(cache=True)
 def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, PRE):
     """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
@@ -312,12 +321,10 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, 
     n_rows = part_dot.shape[1]
     start = chunk * chunk_len
     base = fn_off + row * n_hc * n_embd + start
-    first = cuda.local.array(HC_PRE_VALS, float32)   # weights j = tid + k * nt (constant k: registers)
+    first = cuda.local.array(HC_PRE_VALS, float32)
     if PRE:
         if row < n_rows:                    # block-uniform: the mixer's weights only
-            for k in range(HC_PRE_VALS):
-                j = tid + k * nt
-                first[k] = float32(w16[base + j]) if j < chunk_len else float32(0.0)
+            mixer_first_weights(w16, base, chunk_len, first)
         pdl_enter()                         # everything below may read what earlier grids wrote
     if row >= n_rows:                       # block-uniform: a Gram partial
         pair = row - n_rows
@@ -339,9 +346,7 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, 
     sumsq = float64(0.0)
     dot = float32(0.0)
     if not PRE:
-        for k in range(HC_PRE_VALS):
-            j = tid + k * nt
-            first[k] = float32(w16[base + j]) if j < chunk_len else float32(0.0)
+        mixer_first_weights(w16, base, chunk_len, first)
     for k in range(HC_PRE_VALS):            # j = tid, tid + nt, ... in order, as one loop would
         j = tid + k * nt
         if j < chunk_len:
