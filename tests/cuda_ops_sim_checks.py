@@ -56,15 +56,19 @@ def check_hc(n_tok):
     part_gram = cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64)
     ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), 64](
         d_state, d_arena.view(np.float16), 0, chunk, part_dot, part_sq, part_gram, True)
-    # weights loaded after pdl_enter (PRE False) against before it, with blocks of 64 threads and of
-    # 16 (128 > 4 x 16: half the chunk in the loop after the first four values per thread)
+    # weights loaded after pdl_enter (PRE False) against before it, with blocks of 64 threads (the
+    # launch above) and of 16 (128 > 4 x 16: half the chunk in the loop after the first four
+    # values per thread)
+    def mix_partials(threads, pre):
+        parts = tuple(cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram))
+        ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), threads](
+            d_state, d_arena.view(np.float16), 0, chunk, *parts, pre)
+        return parts
+
     for threads in (64, 16):
-        runs = []
-        for pre in (True, False):
-            runs.append(tuple(cuda.device_array(a.shape, a.dtype) for a in (part_dot, part_sq, part_gram)))
-            ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), threads](
-                d_state, d_arena.view(np.float16), 0, chunk, *runs[-1], pre)
-        same = all(np.array_equal(a.copy_to_host(), b.copy_to_host()) for a, b in zip(*runs))
+        before = (part_dot, part_sq, part_gram) if threads == 64 else mix_partials(threads, True)
+        after = mix_partials(threads, False)
+        same = all(np.array_equal(a.copy_to_host(), b.copy_to_host()) for a, b in zip(before, after))
         print(("ok " if same else "BAD") + f" hc_mix_partial, {threads} threads: weights before pdl_enter "
               f"bitwise equal to after: {same}")
         if not same:
