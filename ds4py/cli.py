@@ -53,9 +53,9 @@ def main() -> None:
 class CompileNotice:
     """Says when numba starts compiling kernels and adds up the seconds it spends (with
     `install()`). A first run compiles the CPU engine's kernels for about a minute inside the
-    first prefill (numba then caches them on disk, so the next run loads them in seconds), and
-    every GPU run compiles its CUDA kernels at their first launch; without a word the terminal
-    looks hung and the prefill rate is wrong by 100x.
+    first prefill, and a first GPU run its CUDA kernels at their first launch (numba then caches
+    both on disk, so the next run loads them in seconds); without a word the terminal looks hung
+    and the prefill rate is wrong by 100x.
 
     numba-cuda reports its compiles on its own event bus (numba.cuda.core.event) and not as
     "numba:compile": the CUDA side is heard through its compiler lock, held for each compile (and
@@ -102,8 +102,8 @@ class CompileNotice:
             with self._lock:
                 first, self._said = not self._said, True
             if first:
-                self.say("ds4py: compiling kernels with numba (the CPU engine's are cached on disk "
-                         "after their first run; most CUDA kernels compile in every run)")
+                self.say("ds4py: compiling kernels with numba (cached on disk after the first run, "
+                         "so later runs start in seconds)")
 
     def _end(self) -> None:
         self._local.depth -= 1

@@ -51,24 +51,45 @@ FAST_LAUNCH = _install_fast_launch()
 # they are exactly the options they name.
 _inline = forceinline
 
-# numba-cuda's disk cache for the factory kernels below (off: not yet timed or GPU-tested with it
-# on). Its key is the signature, the target, the function's bytecode and a pickle of its closure's
-# cells, so every variant a factory builds gets its own entry, provided that (1) the pickle is
-# the same in every process (cuda_intrinsics gives its intrinsics fixed uuids for that), (2) a
-# kernel body reads no module-level knob, only closure constants (tests/test_kernels.py checks
-# both), and (3) no register cap: max_registers is not in the key, so capped kernels are never
-# cached. Without it a GPU `ds4py run` compiles these kernels again in every process (~40 s).
-_CACHE_KERNELS = False
+# numba-cuda's disk cache for the factory kernels below. Its key is the signature, the target,
+# the function's bytecode and a pickle of its closure's cells, so every variant a factory builds
+# gets its own entry, provided that (1) the pickle is the same in every process (cuda_intrinsics
+# gives its intrinsics fixed uuids for that), (2) a kernel body reads no module-level knob, only
+# closure constants (tests/test_kernels.py checks both), and (3) the register cap is in the key:
+# numba-cuda leaves max_registers out of it, so a capped kernel's cache adds it (_capped_cache).
+# Without it a GPU `ds4py run` compiles these kernels again in every process (~40 s).
+_CACHE_KERNELS = True
+
 
 if SIMULATOR:
     def _jit_capped(max_regs):
         return cuda.jit
 else:
+    from numba.cuda.dispatcher import CUDACache
+
+    class _CappedCache(CUDACache):
+        """A kernel's disk cache whose key holds its register cap: two kernels that differ only
+        in their cap (kbench sweeps them) must not load each other's code."""
+
+        def __init__(self, py_func, max_regs):
+            self.max_regs = max_regs
+            super().__init__(py_func)
+
+        def _index_key(self, sig, codegen):
+            return super()._index_key(sig, codegen) + (("max_registers", self.max_regs),)
+
+    def _capped(max_regs):
+        def jit(fn):
+            dispatcher = cuda.jit(cache=True, max_registers=max_regs)(fn)
+            dispatcher._cache = _CappedCache(dispatcher.py_func, max_regs)
+            return dispatcher
+        return jit
+
     def _jit_capped(max_regs):
-        """cuda.jit with a register cap (0: none); uncapped ones disk-cached with _CACHE_KERNELS."""
-        if max_regs:
-            return cuda.jit(max_registers=max_regs)
-        return cuda.jit(cache=True) if _CACHE_KERNELS else cuda.jit
+        """cuda.jit with a register cap (0: none), disk-cached with _CACHE_KERNELS."""
+        if not _CACHE_KERNELS:
+            return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
+        return _capped(max_regs) if max_regs else cuda.jit(cache=True)
 
 # Array indices in the hot loops are cast to unsigned: numba then skips its negative-index
 # wraparound code (3-4 extra instructions per load).

@@ -432,3 +432,25 @@ def test_factory_kernels_read_knobs_only_through_their_closure():
         if extra:
             bad[name] = sorted(extra)
     assert not bad, f"kernels that read module knobs as globals: {bad}"
+
+
+def test_disk_cache_keys_hold_the_register_cap():
+    """numba-cuda leaves max_registers out of its cache key: kernels/cuda.py adds it, so the same
+    kernel built with two caps (kbench sweeps them) gets two entries, and the uncapped one a third."""
+    from ds4py.kernels import cuda as K
+
+    class Codegen:                      # what _index_key asks of the target's code generator
+        def magic_tuple(self):
+            return ("nvptx64-nvidia-cuda", "sm_90", "")
+
+    def build(cap):
+        def kernel(out):
+            out[0] = 1
+        return K._jit_capped(cap)(kernel)
+
+    kernels = [build(64), build(64), build(96), build(0)]
+    for k in kernels:
+        assert type(k._cache).__name__ in ("CUDACache", "_CappedCache"), "the kernel is not disk-cached"
+    keys = [k._cache._index_key("sig", Codegen()) for k in kernels]
+    assert keys[0] == keys[1], "one kernel and one cap: one entry"
+    assert len({keys[0], keys[2], keys[3]}) == 3, "a cap must change the key"
