@@ -205,6 +205,72 @@ def copy_bandwidth(timer, nbytes=2 << 30):
     return max(found.values()), found
 
 
+_READ_THREADS = 256
+
+
+def _read_kernel(U):
+    """A kernel that only reads: block (x, y) loads U 8-byte words per thread of region y
+    (starts/counts in words), all U loads issued before the first is used, and stores nothing
+    unless their XOR hits an impossible value (so the loads stay)."""
+    cuda = _cuda()
+    from numba import uint64
+
+    @cuda.jit
+    def read_regions(words, starts, counts, sink):
+        region = cuda.blockIdx.y
+        n = counts[region]
+        base = cuda.blockIdx.x * (U * _READ_THREADS) + cuda.threadIdx.x
+        if base >= n:
+            return
+        got = cuda.local.array(U, uint64)
+        for j in range(U):
+            k = base + j * _READ_THREADS
+            got[j] = words[starts[region] + k] if k < n else uint64(0)
+        acc = uint64(0)
+        for j in range(U):
+            acc ^= got[j]
+        if acc == uint64(0x9E3779B97F4A7C15):
+            sink[0] = acc
+
+    return read_regions
+
+
+_READ_KERNELS = {}
+
+
+def read_ceiling_us(timer, buf, regions, n_launches):
+    """The time per launch of the fastest plain read of the same byte regions [(byte offset, bytes),
+    ...] per launch (n_launches launches of len(regions) // n_launches regions each, as the timed
+    kernel reads them), from a graph with ordinary edges: what any kernel of these bytes could do
+    here, ramp and tail included. Best of 4 and 8 words per thread."""
+    cuda = _cuda()
+    words = buf.view(np.uint64)
+    per = len(regions) // n_launches
+    sink = cuda.device_array(1, np.uint64)
+    groups = []
+    for i in range(n_launches):
+        part = regions[i * per:(i + 1) * per]
+        starts = cuda.to_device(np.array([o // 8 for o, _ in part], np.int64))
+        counts = cuda.to_device(np.array([n // 8 for _, n in part], np.int64))
+        groups.append((starts, counts, max(n // 8 for _, n in part)))
+    best = None
+    for U in (4, 8):
+        if U not in _READ_KERNELS:
+            _READ_KERNELS[U] = _read_kernel(U)
+        kernel = _READ_KERNELS[U]
+
+        def launch(s, kernel=kernel, U=U):
+            for starts, counts, most in groups:
+                grid = ((most + U * _READ_THREADS - 1) // (U * _READ_THREADS), len(starts))
+                kernel[grid, _READ_THREADS, s](words, starts, counts, sink)
+
+        launch(0)
+        med, _ = timer.time_graph(timer.graph(launch))
+        us = med * 1e3 / n_launches
+        best = us if best is None else min(best, us)
+    return best
+
+
 def _per_launch_us(timer, launch, n_launches, log):
     """Median us per launch of launch(stream)'s n_launches launches, replayed from a graph with
     ordinary edges and from one with programmatic edges (None where PDL is unavailable)."""
@@ -223,6 +289,18 @@ def _per_launch_us(timer, launch, n_launches, log):
 def _add_pdl(r, us_pdl, nbytes, copy_bw):
     if us_pdl is not None:
         r.update(us_pdl=us_pdl, pct_copy_pdl=100 * nbytes / (us_pdl * 1e-6) / copy_bw)
+
+
+def _add_read(r, read_us, copy_bw, nbytes):
+    """The plain read of the same bytes (read_ceiling_us) beside a kernel's time: its share of the
+    copy bandwidth and the kernel's speed as a share of it."""
+    r.update(read_us=read_us, read_pct_copy=100 * nbytes / (read_us * 1e-6) / copy_bw,
+             pct_of_read=100 * read_us / r["us"])
+
+
+def _read_text(r):
+    return (f"  | plain read {r['read_us']:6.2f} us = {r['read_pct_copy']:5.1f} % of copy, "
+            f"kernel at {r['pct_of_read']:5.1f} % of it")
 
 
 def _pdl_text(r):
@@ -316,9 +394,10 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True)
                  us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / copy_bw, copies=copies,
                  scales_last=bool(bits), same_bits=bits == " same bits")
         _add_pdl(r, us_pdl, wbytes, copy_bw)
+        _add_read(r, read_ceiling_us(timer, arena.buf, [(o, wbytes) for o in offs], copies), copy_bw, wbytes)
         rows_out.append(r)
         log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %"
-            + _pdl_text(r) + (" scales-last" + bits if bits else ""))
+            + _pdl_text(r) + _read_text(r) + (" scales-last" + bits if bits else ""))
         del arena
     return rows_out
 
@@ -421,6 +500,13 @@ def bench_moe(timer, copy_bw, rng, log, moe):
     n_used = 6
     gu_bytes = 2 * moe["stride_gu"] * n_used
     d_bytes = moe["stride_d"] * n_used
+    ids = [st.ids.copy_to_host() for st in steps]
+    regions = {"gate_up": [(moe[m] + int(e) * moe["stride_gu"], moe["stride_gu"])
+                           for step_ids in ids for e in step_ids for m in ("og", "ou")],
+               "down": [(moe["od"] + int(e) * moe["stride_d"], moe["stride_d"])
+                        for step_ids in ids for e in step_ids]}
+    regions["full"] = [r for i in range(len(steps))
+                       for r in regions["gate_up"][12 * i:12 * i + 12] + regions["down"][6 * i:6 * i + 6]]
     res = []
     for name, fn, nbytes in (("MoE decode total (offsets, Q8_K x, gate+up, Q8_K mid, down)",
                               "full", gu_bytes + d_bytes),
@@ -431,8 +517,9 @@ def bench_moe(timer, copy_bw, rng, log, moe):
         r = dict(name=name, weight_MB=nbytes / 1e6, us=us, GBps=gbs,
                  pct_copy=100 * gbs * 1e9 / copy_bw)
         _add_pdl(r, us_pdl, nbytes, copy_bw)
+        _add_read(r, read_ceiling_us(timer, moe["arena"].buf, regions[fn], len(steps)), copy_bw, nbytes)
         res.append(r)
-        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %" + _pdl_text(r))
+        log(f"  {name:44s} {us:8.2f} us {gbs:8.0f} GB/s {r['pct_copy']:5.1f} %" + _pdl_text(r) + _read_text(r))
     return res
 
 
