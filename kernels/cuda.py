@@ -327,6 +327,15 @@ def _iq2_tables():
 _NW_DENSE = 8      # warps per block in the dense kernels
 
 
+def _rows_per_block(S):
+    """Rows (or row groups) per block of a dense kernel with S warps per row: a block of
+    _NW_DENSE warps must hold whole rows (_dense_split goes up to 8 warps per row)."""
+    if _NW_DENSE % S:
+        raise ValueError(f"_NW_DENSE = {_NW_DENSE} warps per block cannot hold rows of {S} warps: "
+                         f"use a multiple of 8")
+    return _NW_DENSE // S
+
+
 def _dense_split(rows, chunks):
     """Warps per row (a pure function of the shape, so matmul and matvec agree): enough warps
     to fill the GPU when a matrix has few rows, but no more than the row has chunks of work."""
@@ -455,7 +464,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
     the per-warp set-up was ~half of q_b's instructions (ncu: 354 per row of 1,024 weights;
     kbench on the H200, q_b 16.5 -> 14.6 us without it). PRE: see _Q8_0_PRE (the same bits)."""
     NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
-    RPB = NWD // S   # rows per block
+    RPB = _rows_per_block(S)   # rows per block
     finish = _make_finish(S, T)
     load_fn, dot_fn = _make_q8_0_chunk(T, U, scales_last)
 
@@ -1072,7 +1081,7 @@ def _f16_kernel(S, T, R=1, NF=0):
     FU = _F16_U   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     assert NF == 0 or (S == 1 and T == 1 and R == 1)
     NFA = max(1, NF)       # local array sizes must be plain constants for numba
-    RPB = NWD // S   # row groups per block
+    RPB = _rows_per_block(S)   # row groups per block
     RT = R * T
     finish = _make_finish(S, T)
 
@@ -1202,7 +1211,7 @@ def _f16_tiled_kernel(S, NP, R, T, max_regs=0, PREFETCH=False):
     NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
     if (R * T) % WARP:
         raise ValueError("f16_rows_tiled: R * T must be a multiple of 32")
-    RPB = NWD // S   # row groups per block
+    RPB = _rows_per_block(S)   # row groups per block
     RT = R * T
     NG = RT // WARP        # sums per lane after the transposing butterfly
     NFULL = NP >> 5        # whole steps of 32 pairs
