@@ -454,3 +454,13 @@ def test_disk_cache_keys_hold_the_register_cap():
     keys = [k._cache._index_key("sig", Codegen()) for k in kernels]
     assert keys[0] == keys[1], "one kernel and one cap: one entry"
     assert len({keys[0], keys[2], keys[3]}) == 3, "a cap must change the key"
+
+
+def test_dense_kernels_refuse_blocks_that_cannot_hold_whole_rows(monkeypatch):
+    """_dense_split gives small matrices up to 8 warps per row: a block of fewer warps would hold
+    0 rows and compute garbage (decode_ab with _NW_DENSE=4 changed the logits), so it raises."""
+    from ds4py.kernels import cuda as K
+    monkeypatch.setattr(K, "_NW_DENSE", 4)
+    assert K._rows_per_block(2) == 2
+    with pytest.raises(ValueError, match="_NW_DENSE"):
+        K._rows_per_block(8)
