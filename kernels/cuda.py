@@ -36,6 +36,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_b
                               iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
+from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
 
 FULL_MASK = 0xFFFFFFFF
@@ -51,45 +52,22 @@ FAST_LAUNCH = _install_fast_launch()
 # they are exactly the options they name.
 _inline = forceinline
 
-# numba-cuda's disk cache for the factory kernels below. Its key is the signature, the target,
-# the function's bytecode and a pickle of its closure's cells, so every variant a factory builds
-# gets its own entry, provided that (1) the pickle is the same in every process (cuda_intrinsics
-# gives its intrinsics fixed uuids for that), (2) a kernel body reads no module-level knob, only
-# closure constants (tests/test_kernels.py checks both), and (3) the register cap is in the key:
-# numba-cuda leaves max_registers out of it, so a capped kernel's cache adds it (_capped_cache).
-# Without it a GPU `ds4py run` compiles these kernels again in every process (~40 s).
+# The factory kernels below go through numba-cuda's disk cache (disk_cache.py: the key also holds
+# the kernels' sources and the register cap). Every variant a factory builds gets its own entry,
+# provided that (1) the pickle of its closure's cells is the same in every process (cuda_intrinsics
+# gives its intrinsics fixed uuids for that) and (2) a kernel body reads no module-level knob, only
+# closure constants (tests/test_kernels.py checks both): tests and kbench set knobs at run time.
 _CACHE_KERNELS = True
-
 
 if SIMULATOR:
     def _jit_capped(max_regs):
         return cuda.jit
 else:
-    from numba.cuda.dispatcher import CUDACache
-
-    class _CappedCache(CUDACache):
-        """A kernel's disk cache whose key holds its register cap: two kernels that differ only
-        in their cap (kbench sweeps them) must not load each other's code."""
-
-        def __init__(self, py_func, max_regs):
-            self.max_regs = max_regs
-            super().__init__(py_func)
-
-        def _index_key(self, sig, codegen):
-            return super()._index_key(sig, codegen) + (("max_registers", self.max_regs),)
-
-    def _capped(max_regs):
-        def jit(fn):
-            dispatcher = cuda.jit(cache=True, max_registers=max_regs)(fn)
-            dispatcher._cache = _CappedCache(dispatcher.py_func, max_regs)
-            return dispatcher
-        return jit
-
     def _jit_capped(max_regs):
         """cuda.jit with a register cap (0: none), disk-cached with _CACHE_KERNELS."""
-        if not _CACHE_KERNELS:
-            return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
-        return _capped(max_regs) if max_regs else cuda.jit(cache=True)
+        if _CACHE_KERNELS:
+            return cached_jit(max_regs)
+        return cuda.jit(max_registers=max_regs) if max_regs else cuda.jit
 
 # Array indices in the hot loops are cast to unsigned: numba then skips its negative-index
 # wraparound code (3-4 extra instructions per load).

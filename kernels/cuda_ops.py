@@ -30,6 +30,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
+from ds4py.kernels.disk_cache import cached_jit
 from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc,
                                            mul_rn, pack_f16x2, pdl_enter, split_f16x2)
 
@@ -54,8 +55,8 @@ def jit_for_threads(threads: int):
     64K registers (a 512-thread block may use 128 each, a 1024-thread block 64), or the launch fails
     with LAUNCH_OUT_OF_RESOURCES; the simulator has no register limit to set."""
     if numba_config.ENABLE_CUDASIM:
-        return cuda.jit(cache=True)
-    return cuda.jit(cache=True, max_registers=65536 // threads)
+        return cached_jit()
+    return cached_jit(65536 // threads)
 
 
 wide_jit = jit_for_threads(WIDE)
@@ -263,7 +264,7 @@ def quantize_q8_0_block_values(vals, q_out, d_out):
 
 # ---- embedding and hyper-connections --------------------------------------------------------------
 
-@cuda.jit(cache=True)
+@cached_jit()
 def embed(token_buf, w16, embd_off, n_embd, n_hc, state):
     """state[t, h] = f16->f32(token_embd[token t]) for every HC stream (§6.1); token t = blockIdx.y."""
     pdl_enter()
@@ -296,7 +297,7 @@ def mixer_first_weights(w16, base, chunk_len, first):
         first[k] = float32(w16[base + j]) if j < chunk_len else float32(0.0)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, PRE):
     """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
     never straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks
@@ -424,7 +425,7 @@ HC_W8 = 8 * HC_MIX_VALS                # weight values of 8 mixer rows per threa
 assert HC_MIX_MAX % 8 == 0 and HC_GRAM % 8 == 0
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, part_gram):
     """hc_mix_partial for a prefill chunk: block (chunk, token group) writes all of the chunk's
     partials for HC_TOKENS tokens (every mixer row, Σx², and the Gram pairs when with_gram) from
@@ -517,7 +518,7 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
                 part_sq[t, chunk] = sum_warps(sums64, tt * HC_SUMS + HC_GRAM)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def hc_post(state, f_a, f_b, post, comb):
     """X_new[j] = post[j]·(f_a + f_b) + Σ_i C[i][j]·X_old[i] (§6.3), in place; f_b may be zeros.
     Token t = blockIdx.y: state [T, n_hc, n_embd], f_a/f_b [T, n_embd], post [T, n_hc], comb
@@ -749,7 +750,7 @@ def gram_values(part_gram, gram):
     cuda.syncthreads()
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def hc_sinkhorn(part_dot, part_sq, n, w32, scale_off, base_off, n_iter, hc_eps, rms_eps, post_out,
                 comb_out):
     """The post gates and the Sinkhorn comb matrix of one sublayer from its mixer partials (one
@@ -763,7 +764,7 @@ def hc_sinkhorn(part_dot, part_sq, n, w32, scale_off, base_off, n_iter, hc_eps, 
     sinkhorn_comb(mix, w32, scale_off, base_off, post_out.shape[1], n_iter, hc_eps, post_out[t], comb_out[t])
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_off, hc_eps, rms_eps,
            x_out, xq, xd):
     """HC reduce for one sublayer: grid (n_embd/BLOCK, T) blocks of BLOCK threads, each taking BLOCK
@@ -840,7 +841,7 @@ def hc_head(state, part_dot, part_sq, w32, scale_off, base_off, norm_off, hc_eps
 RMS_VALS = 8             # values per thread rmsnorm_q8 keeps in registers (n <= RMS_VALS x threads)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
     """x_out = RMSNorm(x)·w, plus its Q8_0 quantization: one block per token (grid (1, T)), on
     rows x[t] of [T, n] arrays."""
@@ -971,7 +972,7 @@ def hadamard_fp4(vec, base, n, scratch32):
     scaled_block_sim(vec, base, n, 32, FP4_MAX, 7.052966104933725e-38, False, scratch32)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def kv_finish(kv_all, w32, norm_off, eps, pos_buf, freqs, n_rot, raw_cache):
     """The new KV row (§6.4): RMSNorm·w, RoPE on the tail, FP8 on the nope dims, f16 rounding,
     pushed into the raw ring at pos mod capacity. One block per token (grid (1, T)): row kv[t] at
@@ -1004,7 +1005,7 @@ Q_HEADS_THREADS = 64      # q_heads' block (one (head, token) each); fewer threa
                           # H200, session 16, 2,048-token prefill: 256 threads 2,510 tok/s, 64: 2,581
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def q_heads(q_all, head_dim, n_rot, eps, pos_buf, freqs):
     """Per-head RMSNorm without weight, then RoPE on the tail (§6.4). Block (head, token): q_all
     is [T, n_head·head_dim], token t at position pos_buf[t]."""
@@ -1147,7 +1148,7 @@ def chunk_row_of(p, pos0, n_state, ratio):
     return p % ratio
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def compressor_chunk_stage(kv_t, sc_t, w16, ape_off, pos0, ratio, kv_state, score_state, ext_kv, ext_sc):
     """Block i: ext row i = state row i (i < S), or chunk token i - S with its APE added."""
     pdl_enter()
@@ -1189,7 +1190,7 @@ def compressor_chunk_rows(ext_kv, ext_sc, n_state, pos0, ratio, head_dim, w32, n
                    scratch64, scratch32)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_state):
     """The state the token-by-token kernel leaves after the chunk: the current window's rows hold
     its tokens so far, the rest the window before (for ratio 4 also copied to rows 0..3 when it
@@ -1217,7 +1218,7 @@ def compressor_chunk_carry(ext_kv, ext_sc, pos0, n_tok, ratio, kv_state, score_s
 
 # ---- indexer (§6.10) ---------------------------------------------------------------------------------
 
-@cuda.jit(cache=True)
+@cached_jit()
 def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
     """Indexer query heads: RoPE on the tail, then Hadamard + FP4. Block (head, token) on
     iq_all [T, n_ihead·idx_dim]."""
@@ -1281,7 +1282,7 @@ def _next_pair(h, i, step_h, step_i, dim):
     return h, i
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores_all):
     """Decode form: block (ISD_ROWS rows, token t) of ISD_THREADS threads, thread (row r, head h);
     the heads' terms meet in shared memory and one thread per row adds them in order. The token's
@@ -1362,7 +1363,7 @@ def indexer_score_blocks(n_rows: int) -> int:
     return (n_rows + ISC_ROWS - 1) // ISC_ROWS
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores_all):
     """Prefill form: block (ISC_ROWS rows, token t), a thread per row. The token's queries sit in
     shared memory (every lane reads the same query value: a broadcast); each warp stages its 32
@@ -1465,7 +1466,7 @@ def order_key(bits):
 SELECT_CACHE = 4096      # indexer rows whose keys indexer_select keeps in shared memory (16 KB: 16k context)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def indexer_select(score_bits_all, pos_buf, top_k, selected_all, n_selected):
     """The top_k indexer rows by score (ties → lower index), written ascending into `selected`;
     every row when there are at most top_k (§6.10). One BLOCK-thread block per token (grid (1, T))
@@ -1850,7 +1851,7 @@ def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_
         store_acc(zeros, part_acc, group, split, head_dim)
 
 
-@cuda.jit(cache=True, **ATTN_JIT)
+@cached_jit(**ATTN_JIT)
 def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
                       use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
     """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
@@ -2369,7 +2370,7 @@ def block_argmax(value, index, best_val, best_idx):
     return result_val, result_idx
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash, n_used,
           weight_scale, base_offsets, expert_ids, route_w, slot_offsets):
     """Expert selection and weights (single block of BLOCK threads, n_exp <= 1024): hash layers
@@ -2452,7 +2453,7 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
     quantize_q8_0_block_values(mid[t], xq[t], xd[t])
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def groups_to_tokens(src, n_group, width, dst):
     """dst[t·n_group·width + g·width + i] = src[(g·T + t)·width + i] (both flat): the grouped
     output projection's results (group-major, one matmul per group) as the token rows the next
@@ -2468,7 +2469,7 @@ def groups_to_tokens(src, n_group, width, dst):
 ARGMAX_BLOCKS = 128       # blocks of the first argmax pass (enough loads in flight over 129k logits)
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def argmax_partial(logits, forbid, part_val, part_idx):
     """Greedy pick, first pass: block b finds the first maximal index of its strided share of the
     logits, skipping token forbid[0] (EOS in bench probes; -1 for none)."""
@@ -2489,7 +2490,7 @@ def argmax_partial(logits, forbid, part_val, part_idx):
         part_idx[cuda.blockIdx.x] = winner
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def advance_token(next_token, token_buf, pos_buf):
     """The end of a decode step: its greedy pick becomes the next step's token and the position
     moves on, on the device, so a greedy loop can launch step k + 1 before it reads token k
@@ -2500,7 +2501,7 @@ def advance_token(next_token, token_buf, pos_buf):
         pos_buf[0] = pos_buf[0] + 1
 
 
-@cuda.jit(cache=True)
+@cached_jit()
 def argmax_finish(part_val, part_idx, out_token):
     """Greedy pick, second pass (one block of >= part_val.size threads): the first maximal index
     over the blocks' winners."""

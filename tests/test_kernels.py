@@ -434,10 +434,13 @@ def test_factory_kernels_read_knobs_only_through_their_closure():
     assert not bad, f"kernels that read module knobs as globals: {bad}"
 
 
-def test_disk_cache_keys_hold_the_register_cap():
-    """numba-cuda leaves max_registers out of its cache key: kernels/cuda.py adds it, so the same
-    kernel built with two caps (kbench sweeps them) gets two entries, and the uncapped one a third."""
+def test_disk_cache_keys_hold_the_register_cap_and_the_sources():
+    """numba-cuda leaves the jit options and the device functions a kernel reaches through module
+    globals out of its cache key: kernels/disk_cache.py adds the options and a digest of the
+    kernels' sources, so the same kernel built with two caps (kbench sweeps them) gets two entries,
+    the uncapped one a third, and every key changes with any kernels/*.py file."""
     from ds4py.kernels import cuda as K
+    from ds4py.kernels import disk_cache
 
     class Codegen:                      # what _index_key asks of the target's code generator
         def magic_tuple(self):
@@ -450,10 +453,25 @@ def test_disk_cache_keys_hold_the_register_cap():
 
     kernels = [build(64), build(64), build(96), build(0)]
     for k in kernels:
-        assert type(k._cache).__name__ in ("CUDACache", "_CappedCache"), "the kernel is not disk-cached"
+        assert isinstance(k._cache, disk_cache.KernelCache), "the kernel is not disk-cached"
     keys = [k._cache._index_key("sig", Codegen()) for k in kernels]
     assert keys[0] == keys[1], "one kernel and one cap: one entry"
     assert len({keys[0], keys[2], keys[3]}) == 3, "a cap must change the key"
+    assert all(("ds4py kernels", disk_cache.SOURCES_DIGEST) in key for key in keys)
+
+
+def test_kernel_sources_digest_follows_every_source_file(tmp_path):
+    from ds4py.kernels.disk_cache import sources_digest
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    first = sources_digest(tmp_path)
+    assert sources_digest(tmp_path) == first
+    (tmp_path / "b.py").write_text("y = 3\n")
+    assert sources_digest(tmp_path) != first
+    (tmp_path / "b.py").write_text("y = 2\n")
+    assert sources_digest(tmp_path) == first
+    (tmp_path / "c.py").write_text("")
+    assert sources_digest(tmp_path) != first
 
 
 def test_dense_kernels_refuse_blocks_that_cannot_hold_whole_rows(monkeypatch):
