@@ -1039,3 +1039,27 @@ def profile_target():
         step.full(0)
         CK.matvec_q8_0(arena.buf, off, 4096, 8192, act.xq, act.xd, out)
     cuda.synchronize()
+
+
+def profile_read_gap(rows=32768, K=1024):
+    """A short run for ncu: the Q8_0 matvec of one shape (q_b by default, scales-last as the GPU
+    sources keep it) and read_ceiling_us's plain read of the same bytes, three launches each."""
+    from . import cuda as CK
+    cuda = _cuda()
+    rng = np.random.default_rng(0)
+    wbytes = rows * F.row_bytes(F.Q8_0, K)
+    arena = Arena(wbytes + 4096, seed=5)
+    off = arena.place(F.Q8_0, rows, K)
+    CK.q8_0_relayout(arena.buf, off, rows, K)
+    act = _Act(F.Q8_0, 1, K, rng)
+    out = cuda.device_array(rows, np.float32)
+    read = _read_kernel(8)
+    words = arena.buf.view(np.uint64)
+    starts = cuda.to_device(np.array([off // 8], np.int64))
+    counts = cuda.to_device(np.array([wbytes // 8], np.int64))
+    sink = cuda.device_array(1, np.uint64)
+    grid = ((wbytes // 8 + 8 * _READ_THREADS - 1) // (8 * _READ_THREADS), 1)
+    for _ in range(3):
+        CK.matvec_q8_0(arena.buf, off, rows, K, act.xq, act.xd, out, scales_last=True)
+        read[grid, _READ_THREADS](words, starts, counts, sink)
+    cuda.synchronize()
