@@ -243,32 +243,37 @@ def read_ceiling_us(timer, buf, regions, n_launches):
     ...] per launch (n_launches launches of len(regions) // n_launches regions each, as the timed
     kernel reads them), from a graph with ordinary edges: what any kernel of these bytes could do
     here, ramp and tail included. Best of 4 and 8 words per thread."""
-    cuda = _cuda()
-    words = buf.view(np.uint64)
     per = len(regions) // n_launches
-    sink = cuda.device_array(1, np.uint64)
-    groups = []
-    for i in range(n_launches):
-        part = regions[i * per:(i + 1) * per]
-        starts = cuda.to_device(np.array([o // 8 for o, _ in part], np.int64))
-        counts = cuda.to_device(np.array([n // 8 for _, n in part], np.int64))
-        groups.append((starts, counts, max(n // 8 for _, n in part)))
+    launches = [_ReadLaunch(buf, regions[i * per:(i + 1) * per]) for i in range(n_launches)]
     best = None
     for U in (4, 8):
-        if U not in _READ_KERNELS:
-            _READ_KERNELS[U] = _read_kernel(U)
-        kernel = _READ_KERNELS[U]
-
-        def launch(s, kernel=kernel, U=U):
-            for starts, counts, most in groups:
-                grid = ((most + U * _READ_THREADS - 1) // (U * _READ_THREADS), len(starts))
-                kernel[grid, _READ_THREADS, s](words, starts, counts, sink)
+        def launch(s, U=U):
+            for read in launches:
+                read(U, s)
 
         launch(0)
         med, _ = timer.time_graph(timer.graph(launch))
         us = med * 1e3 / n_launches
         best = us if best is None else min(best, us)
     return best
+
+
+class _ReadLaunch:
+    """One launch of the plain-read kernel over byte regions [(offset, bytes), ...] of buf."""
+
+    def __init__(self, buf, regions):
+        cuda = _cuda()
+        self.words = buf.view(np.uint64)
+        self.starts = cuda.to_device(np.array([o // 8 for o, _ in regions], np.int64))
+        self.counts = cuda.to_device(np.array([n // 8 for _, n in regions], np.int64))
+        self.most = max(n // 8 for _, n in regions)
+        self.sink = cuda.device_array(1, np.uint64)
+
+    def __call__(self, U, stream=0):
+        if U not in _READ_KERNELS:
+            _READ_KERNELS[U] = _read_kernel(U)
+        grid = ((self.most + U * _READ_THREADS - 1) // (U * _READ_THREADS), len(self.starts))
+        _READ_KERNELS[U][grid, _READ_THREADS, stream](self.words, self.starts, self.counts, self.sink)
 
 
 def _per_launch_us(timer, launch, n_launches, log):
@@ -500,13 +505,14 @@ def bench_moe(timer, copy_bw, rng, log, moe):
     n_used = 6
     gu_bytes = 2 * moe["stride_gu"] * n_used
     d_bytes = moe["stride_d"] * n_used
-    ids = [st.ids.copy_to_host() for st in steps]
-    regions = {"gate_up": [(moe[m] + int(e) * moe["stride_gu"], moe["stride_gu"])
-                           for step_ids in ids for e in step_ids for m in ("og", "ou")],
-               "down": [(moe["od"] + int(e) * moe["stride_d"], moe["stride_d"])
-                        for step_ids in ids for e in step_ids]}
-    regions["full"] = [r for i in range(len(steps))
-                       for r in regions["gate_up"][12 * i:12 * i + 12] + regions["down"][6 * i:6 * i + 6]]
+    regions = {"gate_up": [], "down": [], "full": []}     # the weight bytes each step reads
+    for st in steps:
+        ids = [int(e) for e in st.ids.copy_to_host()]
+        gate_up = [(moe[m] + e * moe["stride_gu"], moe["stride_gu"]) for e in ids for m in ("og", "ou")]
+        down = [(moe["od"] + e * moe["stride_d"], moe["stride_d"]) for e in ids]
+        regions["gate_up"] += gate_up
+        regions["down"] += down
+        regions["full"] += gate_up + down
     res = []
     for name, fn, nbytes in (("MoE decode total (offsets, Q8_K x, gate+up, Q8_K mid, down)",
                               "full", gu_bytes + d_bytes),
@@ -1053,13 +1059,8 @@ def profile_read_gap(rows=32768, K=1024):
     CK.q8_0_relayout(arena.buf, off, rows, K)
     act = _Act(F.Q8_0, 1, K, rng)
     out = cuda.device_array(rows, np.float32)
-    read = _read_kernel(8)
-    words = arena.buf.view(np.uint64)
-    starts = cuda.to_device(np.array([off // 8], np.int64))
-    counts = cuda.to_device(np.array([wbytes // 8], np.int64))
-    sink = cuda.device_array(1, np.uint64)
-    grid = ((wbytes // 8 + 8 * _READ_THREADS - 1) // (8 * _READ_THREADS), 1)
+    read = _ReadLaunch(arena.buf, [(off, wbytes)])
     for _ in range(3):
         CK.matvec_q8_0(arena.buf, off, rows, K, act.xq, act.xd, out, scales_last=True)
-        read[grid, _READ_THREADS](words, starts, counts, sink)
+        read(8)
     cuda.synchronize()

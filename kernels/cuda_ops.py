@@ -53,9 +53,7 @@ USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
 def jit_for_threads(threads: int):
     """cuda.jit for a kernel launched with `threads` threads per block: they must share the SM's
     64K registers (a 512-thread block may use 128 each, a 1024-thread block 64), or the launch fails
-    with LAUNCH_OUT_OF_RESOURCES; the simulator has no register limit to set."""
-    if numba_config.ENABLE_CUDASIM:
-        return cached_jit()
+    with LAUNCH_OUT_OF_RESOURCES; the simulator has no register limit to set (cached_jit drops it)."""
     return cached_jit(65536 // threads)
 
 
