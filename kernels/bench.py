@@ -407,23 +407,26 @@ def bench_dense(timer, copy_bw, rng, log, shapes=DENSE_SHAPES, scales_last=True)
     return rows_out
 
 
-def _q8_0_dense_under(timer, copy_bw, rng, log, knob, tag, variants):
-    """bench_dense on the Q8_0 decode shapes once per (rep, value, scales_last, label) of
-    variants, with kernels.cuda's `knob` set to value; each result row gets rep and tag = value.
-    The knob is restored afterwards."""
+def _q8_0_dense_under(timer, copy_bw, rng, log, variants):
+    """bench_dense on the Q8_0 decode shapes once per (rep, knobs, scales_last, label) of
+    variants, with kernels.cuda's knobs (a dict: name -> value) set; each result row gets rep and
+    the knobs. The knobs are restored afterwards."""
     from . import cuda as CK
     shapes = [s for s in DENSE_SHAPES if s[1] == F.Q8_0]
     res = []
-    saved = getattr(CK, knob)
+    names = {n for _, knobs, _, _ in variants for n in knobs}
+    saved = {n: getattr(CK, n) for n in names}
     try:
-        for rep, value, scales_last, label in variants:
-            setattr(CK, knob, value)
+        for rep, knobs, scales_last, label in variants:
+            for n, v in {**saved, **knobs}.items():
+                setattr(CK, n, v)
             log(f"  [{label}]")
             for r in bench_dense(timer, copy_bw, rng, log, shapes=shapes, scales_last=scales_last):
-                r.update({"rep": rep, tag: value})
+                r.update({"rep": rep, **knobs})
                 res.append(r)
     finally:
-        setattr(CK, knob, saved)
+        for n, v in saved.items():
+            setattr(CK, n, v)
     return res
 
 
@@ -431,17 +434,31 @@ def bench_tune_q8(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes in the file's layout and then in q8_0_relayout's (scales last, so a
     lane's 8 quant bytes are one aligned load), alternating twice, each checked bit for bit."""
     splits = ((0, 4, False), (0, 4, True), (1, 4, False), (1, 4, True), (0, 8, True), (0, 2, True))
-    return _q8_0_dense_under(timer, copy_bw, rng, log, "_Q8_0_U", "U",
-                             [(rep, U, sl, f"U={U}{' scales-last' if sl else ''}") for rep, U, sl in splits])
+    return _q8_0_dense_under(timer, copy_bw, rng, log,
+                             [(rep, {"_Q8_0_U": U, "_Q8_0_PAIRS": False}, sl,
+                               f"U={U}{' scales-last' if sl else ''}") for rep, U, sl in splits])
 
 
 def bench_tune_pre(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes (scales-last rows) with q8_0_rows' first chunk of weights read
     after pdl_enter() and before it (_Q8_0_PRE), alternating twice; ordinary and PDL-edge graphs
     (the prologue can only gain in the latter), each checked bit for bit."""
-    return _q8_0_dense_under(timer, copy_bw, rng, log, "_Q8_0_PRE", "pre",
-                             [(rep, pre, True, f"weight prologue {'before' if pre else 'after'} pdl_enter")
+    return _q8_0_dense_under(timer, copy_bw, rng, log,
+                             [(rep, {"_Q8_0_PRE": pre}, True, f"weight prologue {'before' if pre else 'after'} pdl_enter")
                               for rep, pre in ((0, False), (0, True), (1, False), (1, True))])
+
+
+def bench_tune_pairs(timer, copy_bw, rng, log):
+    """The Q8_0 decode shapes (scales-last rows) with the one-warp-per-row launches in q8_0_rows
+    (8 blocks per warp step) and in q8_0_pairs (16, two lanes per block) under its steps per
+    chunk and register caps, alternating twice; the same bits everywhere (bench_dense checks)."""
+    variants = []
+    for rep in (0, 1):
+        variants.append((rep, {"_Q8_0_PAIRS": False}, True, "q8_0_rows"))
+        for U, regs in ((4, 0), (2, 0), (4, 48)):
+            variants.append((rep, {"_Q8_0_PAIRS": True, "_Q8_0_PAIRS_U": U, "_Q8_0_PAIRS_REGS": regs}, True,
+                             f"q8_0_pairs U={U} cap {regs or 'none'}"))
+    return _q8_0_dense_under(timer, copy_bw, rng, log, variants)
 
 
 def _moe_setup(rng, n_exp=256, n_embd=4096, n_ff=2048, gate_type=F.IQ2_XXS, down_type=F.Q2_K):
@@ -1015,6 +1032,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_pre"] = bench_tune_pre(timer, copy_bw, rng, log)
     if "tune_q8" in parts:
         res["tune_q8"] = bench_tune_q8(timer, copy_bw, rng, log)
+    if "tune_pairs" in parts:
+        res["tune_pairs"] = bench_tune_pairs(timer, copy_bw, rng, log)
     if "tune_moe" in parts:
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     if "tune_gu" in parts:

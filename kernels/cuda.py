@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
@@ -270,6 +270,12 @@ def _arena_views(arena):
     return views
 
 
+def _dev_ptr(a):
+    """The device address of array a's first element (0 in the simulator, whose arrays have
+    no device address and no alignment to keep)."""
+    return 0 if SIMULATOR else a.__cuda_array_interface__["data"][0]
+
+
 def _as_i32(a):
     """int32 view of an int8 device array (size % 4 == 0, base 4-aligned as allocations are)."""
     return memo_view(a, "i32", lambda a: _flat(a).view(np.int32))
@@ -491,6 +497,100 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
             hc_post_dim(hc_state, row, out[row] + hc_fb[row], hc_post, hc_comb)
 
     return q8_0_rows
+
+
+_Q8_0_PAIRS = True   # one-token, one-warp-per-row launches on scales-last rows take q8_0_pairs
+_Q8_0_PAIRS_U = 4    # its steps (of 16 blocks) whose weights a lane loads before it uses the first
+_Q8_0_PAIRS_REGS = 0  # its register cap (0: none)
+
+
+def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
+    """q8_0_rows for one token and one warp per row (S = 1), on scales-last rows, with half its
+    instructions per weight byte: two lanes per block (16 quant bytes each, one 16-byte load; four
+    dp4a and one shuffle give the block's integer dot), so a warp step covers 16 blocks, not 8.
+    The f32 sums are q8_0_rows' in q8_0_rows' order, so both give the same bits (and so does the
+    prefill matmul of the shape): with S = 1, lane group g of q8_0_rows adds the blocks b = g
+    (mod 8) in increasing order; here the lane pair of slot j < 8 carries group j's sum (block
+    16 s + j of step s, then block 16 s + j + 8, received from slot j + 8, i.e. lane + 16), and
+    the butterfly over the groups runs over lane pairs (xor 8, 4, 2 instead of 16, 8, 4).
+    nsteps = ceil(nb / 16) steps per row, nchunks = ceil(nsteps / U) chunks."""
+    NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
+
+    @_inline
+    def load_fn(a32, hrow, step0, slot, h, nb, q, wd):
+        for u in range(U):
+            b = (step0 + u) * 16 + slot
+            wd[u] = float32(0.0)
+            for k in range(4):
+                q[u, k] = uint32(0)
+            if b < nb:
+                wd[u] = f16_bits_to_f32(ld_half(a32, _ix(hrow + 16 * nb + b)))
+                q[u, 0], q[u, 1], q[u, 2], q[u, 3] = ld_quad(a32, _ix((hrow >> 1) + 8 * b + 4 * h))
+
+    @_inline
+    def dot_fn(step0, slot, h, nb, xq32, xd, x_tok, q, wd, xw, xs, acc):
+        # every step's activation words first: x is in L2, but one load per step, each used
+        # at once, would add U round trips to the warp's life
+        for u in range(U):
+            b = (step0 + u) * 16 + slot
+            xs[u] = float32(0.0)
+            for k in range(4):
+                xw[u, k] = int32(0)
+            if b < nb:
+                xw[u, 0], xw[u, 1], xw[u, 2], xw[u, 3] = ld_quad(xq32, _ix(x_tok * (nb * 8) + b * 8 + 4 * h))
+                xs[u] = xd[_ix(x_tok * nb + b)]
+        for u in range(U):
+            b = (step0 + u) * 16 + slot
+            scale = wd[u] * xs[u]
+            isum = dp4a(q[u, 0], xw[u, 0], 0)
+            isum = dp4a(q[u, 1], xw[u, 1], isum)
+            isum = dp4a(q[u, 2], xw[u, 2], isum)
+            isum = dp4a(q[u, 3], xw[u, 3], isum)
+            isum = int32(isum + cuda.shfl_xor_sync(FULL_MASK, isum, 1))
+            fsum = float32(isum)
+            scale_hi = cuda.shfl_xor_sync(FULL_MASK, scale, 16)      # block b + 8 (slots 0-7)
+            fsum_hi = cuda.shfl_xor_sync(FULL_MASK, fsum, 16)
+            if b < nb:
+                acc = cuda.fma(scale, fsum, acc)
+            if b + 8 < nb:
+                acc = cuda.fma(scale_hi, fsum_hi, acc)
+        return acc
+
+    @_jit_capped(max_regs)
+    def q8_0_pairs(a32, row_h0, row_h, rows, nb, nchunks, xq32, xd, out, row_h0_b, rows_a,
+                   x_group_rows, hc_on, hc_state, hc_fb, hc_post, hc_comb):
+        if not PRE:
+            pdl_enter()
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        slot = lane >> 1
+        h = lane & 1
+        row = cuda.blockIdx.x * NWD + warp
+        q = cuda.local.array((U, 4), uint32)
+        wd = cuda.local.array(U, float32)
+        xw = cuda.local.array((U, 4), int32)
+        xs = cuda.local.array(U, float32)
+        hrow = _pair_row(row, rows_a, row_h0, row_h0_b, row_h)
+        if PRE:
+            if row < rows:                  # warp-uniform: the first chunk (weights only)
+                load_fn(a32, hrow, 0, slot, h, nb, q, wd)
+            pdl_enter()                     # everything below may read what earlier grids wrote
+        acc = float32(0.0)
+        if row < rows:                      # warp-uniform
+            x_tok = row // x_group_rows if x_group_rows < rows else 0
+            for c in range(nchunks):
+                if not PRE or c != 0:
+                    load_fn(a32, hrow, c * U, slot, h, nb, q, wd)
+                acc = dot_fn(c * U, slot, h, nb, xq32, xd, x_tok, q, wd, xw, xs, acc)
+        acc += cuda.shfl_xor_sync(FULL_MASK, acc, 8)
+        acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
+        acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
+        if lane == 0 and row < rows:
+            out[row] = acc
+            if hc_on:                       # the HC post of dim `row`
+                hc_post_dim(hc_state, row, acc + hc_fb[row], hc_post, hc_comb)
+
+    return q8_0_pairs
 
 
 # ---- Q8_0 matmul on the int8 tensor cores (prefill) --------------------------------------------
@@ -1362,7 +1462,7 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         R, T, regs, pf, mc = _MMA_ST_ROWS, _MMA_ST_TOKS, _MMA_ST_REGS, _MMA_ST_PREFETCH, _MMA_ST_MAGIC_C
         # the cp.async staging: weight rows and activation rows on 16-byte boundaries
         cpa = bool(_MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
-            xq.__cuda_array_interface__["data"][0] % 16 == 0)
+            _dev_ptr(xq) % 16 == 0)
         kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa, sl),
                          lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa, sl))
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
@@ -1377,8 +1477,16 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
             a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
             off_b // 2, rows_a)
         return
-    T = _tok_tile(n_tok)
     pre = bool(_Q8_0_PRE)
+    if _Q8_0_PAIRS and sl and n_tok == 1 and S == 1 and _dev_ptr(xq) % 16 == 0:
+        nsteps = (nb + 15) // 16
+        U2, regs = min(_Q8_0_PAIRS_U, nsteps), _Q8_0_PAIRS_REGS    # U sets no sum's order here
+        kernel = _cached(("q8_0_pairs", U2, pre, regs), lambda: _q8_0_pairs_kernel(U2, pre, regs))
+        kernel[(rows + _NW_DENSE - 1) // _NW_DENSE, _NW_DENSE * WARP, _stream(stream)](
+            a32, off_a // 2, 17 * nb, rows, nb, (nsteps + U2 - 1) // U2, _as_i32(xq), _flat(xd),
+            _flat(out), off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
+        return
+    T = _tok_tile(n_tok)
     kernel = _cached(("q8_0", S, T, U, sl, pre), lambda: _q8_0_kernel(S, T, U, sl, pre))
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](

@@ -41,6 +41,7 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
+* ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
@@ -192,6 +193,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def ld_pair(s, i):
         return s[int(i)], s[int(i) + 1]
+
+    def ld_quad(s, i):
+        return tuple(s[int(i) + k] for k in range(4))
 
     def ld_half(s, i):
         w = int(s[int(i) >> 1]) & 0xFFFFFFFF
@@ -422,22 +426,29 @@ else:
     cp_async16_at = _cp_async_at(16, "cg")
     cp_async4_at = _cp_async_at(4, "ca")
 
-    @intrinsic
-    def ld_pair(typingctx, s, i):
-        if not (isinstance(s, types.Array) and s.dtype.bitwidth == 32 and isinstance(i, types.Integer)):
-            return None
+    def _ld_vec(name, n):
+        """An intrinsic: elements i .. i + n - 1 of a 32-bit array in one n*4-byte vector load."""
+        def typer(typingctx, s, i):
+            if not (isinstance(s, types.Array) and s.dtype.bitwidth == 32 and isinstance(i, types.Integer)):
+                return None
 
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            el = context.get_value_type(signature.args[0].dtype)
-            vt = ir.VectorType(el, 2)
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            p = builder.bitcast(builder.gep(ary.data, [idx]), vt.as_pointer(ary.data.type.addrspace))
-            v = builder.load(p, align=8)
-            parts = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
+            def codegen(context, builder, signature, args):
+                ary = context.make_array(signature.args[0])(context, builder, args[0])
+                el = context.get_value_type(signature.args[0].dtype)
+                vt = ir.VectorType(el, n)
+                idx = context.cast(builder, args[1], signature.args[1], types.int64)
+                p = builder.bitcast(builder.gep(ary.data, [idx]), vt.as_pointer(ary.data.type.addrspace))
+                v = builder.load(p, align=4 * n)
+                parts = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(n)]
+                return context.make_tuple(builder, signature.return_type, parts)
 
-        return types.UniTuple(s.dtype, 2)(s, i), codegen
+            return types.UniTuple(s.dtype, n)(s, i), codegen
+
+        typer.__name__ = name
+        return intrinsic(typer)
+
+    ld_pair = _ld_vec("ld_pair", 2)
+    ld_quad = _ld_vec("ld_quad", 4)
 
     @intrinsic
     def ld_half(typingctx, s, i):

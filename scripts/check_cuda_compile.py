@@ -82,6 +82,7 @@ dn_mma = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i32a, i64, i64, i64, f3
 dn_staged = (u32a, i64a, i32a, i32a, i32a, i64, i64a, f32a, i64, f32a)
 hc_epi = (b1, f32a2, f32a, f32a, f32a)        # the HC-post epilogue (on, state, f_b, post, comb)
 q8_rows = (u16a, i64, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64, i64) + hc_epi
+q8_pairs = (u32a, i64, i64, i64, i64, i64, i32a, f32a, f32a, i64, i64, i64) + hc_epi
 moe_down = (u16a, u32a, i64a, i64, i32a, f32a, i32a, i64, i64, i64, f32a) + tables + hc_epi
 tiles = (u16a, u32a, i64a, i32a, i32a, i32a, i64, i32a, f32a, i32a, i64, f32a, f32, i64, i64, f32a) + tables
 quant = {
@@ -111,6 +112,10 @@ quant = {
  "q8_0_rows (decode, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows (decode, split-K 4, scales-last rows, weight prologue)": (lambda: qk._q8_0_kernel(4, 1, scales_last=True, PRE=True), (u32a,) + q8_rows[1:]),
  "q8_0_rows (decode, weight prologue)": (lambda: qk._q8_0_kernel(1, 1, PRE=True), q8_rows),
+ # _Q8_0_PAIRS: one token, one warp per row, scales-last rows, two lanes per block
+ "q8_0_pairs (decode, weight prologue)": (lambda: qk._q8_0_pairs_kernel(4, True), q8_pairs),
+ "q8_0_pairs (decode)": (lambda: qk._q8_0_pairs_kernel(4, False), q8_pairs),
+ "q8_0_pairs (decode, steps of 2)": (lambda: qk._q8_0_pairs_kernel(2, True), q8_pairs),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then

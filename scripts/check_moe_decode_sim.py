@@ -3,7 +3,8 @@ a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) a
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
-Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True); `... q8` runs that only.
+Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
+q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
 the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
@@ -149,6 +150,36 @@ def q8_0_scales_last_same(rows, Kd, seed=3):
     return moved and np.array_equal(got, want) and np.array_equal(arena.copy_to_host(), before)
 
 
+def q8_0_pairs_same(rows, Kd, U, seed=5):
+    """q8_0_pairs (one warp per row, two lanes per block) against q8_0_rows on the same
+    scales-last rows, bit for bit: one matrix, a pair of matrices, a grouped launch (2 groups)."""
+    rng = np.random.default_rng(seed)
+    rows_b = rows // 2 + 1
+    arena, (oa, ob) = _arena([TD.random_weights(F.Q8_0, (rows, Kd), rng),
+                              TD.random_weights(F.Q8_0, (rows_b, Kd), rng)])
+    for o, r in ((oa, rows), (ob, rows_b)):
+        K.q8_0_relayout(arena, o, r, Kd)
+    q, d = cpu.quantize_q8_0(rng.standard_normal(2 * Kd).astype(np.float32))
+    xq, xd = cuda.to_device(q[:Kd]), cuda.to_device(d[:Kd // 32])
+    xgq, xgd = cuda.to_device(q), cuda.to_device(d)
+
+    def run():
+        one = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(arena, oa, rows, Kd, xq, xd, one, scales_last=True)
+        pair = cuda.device_array(rows + rows_b, np.float32)
+        K.matvec_q8_0_pair(arena, oa, rows, ob, rows_b, Kd, xq, xd, pair, scales_last=True)
+        grouped = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0_grouped(arena, oa, rows, Kd, 2, xgq, xgd, grouped, scales_last=True)
+        return [a.copy_to_host() for a in (one, pair, grouped)]
+
+    _knobs(_Q8_0_S1_ROWS=1, _Q8_0_PAIRS=False)
+    want = run()
+    _knobs(_Q8_0_PAIRS=True, _Q8_0_PAIRS_U=U)
+    got = run()
+    _knobs(_Q8_0_S1_ROWS=4096, _Q8_0_PAIRS=True, _Q8_0_PAIRS_U=4)
+    return all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
+
+
 def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8": those cases only
@@ -159,6 +190,12 @@ def main():
             ok = q8_0_scales_last_same(rows, Kd)
             bad += not ok
             print(f"{'ok ' if ok else 'BAD'} Q8_0 scales-last rows: {rows} rows, K {Kd}", flush=True)
+        # q8_0_pairs: half a step (K 256: blocks b + 8 past the row), one step (512), 1.5 steps
+        # (768), two chunks of one step (U 1), 3 steps in chunks of 2 (1280: a partial chunk)
+        for rows, Kd, U in ((4, 256, 4), (2, 512, 4), (4, 768, 4), (2, 1024, 1), (2, 1280, 2)):
+            ok = q8_0_pairs_same(rows, Kd, U)
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} q8_0_pairs = q8_0_rows: {rows} rows, K {Kd}, U {U}", flush=True)
         if only == "q8":
             print("all Q8_0 simulator checks passed" if not bad else f"{bad} FAILED")
             return 1 if bad else 0

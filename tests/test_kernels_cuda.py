@@ -493,6 +493,40 @@ def test_q8_0_weight_prologue_same_bits(moe_knobs, rows, Kd):
             assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), f"{what}, scales-last {sl}"
 
 
+@pytest.mark.parametrize("rows,Kd", [(40, 256), (36, 768), (64, 1024), (12, 4096), (8, 8192), (4100, 4096)])
+@pytest.mark.parametrize("U", [1, 2, 4])
+def test_q8_0_pairs_same_bits_as_q8_0_rows(moe_knobs, rows, Kd, U):
+    """q8_0_pairs (one token, one warp per row, two lanes per block) gives q8_0_rows' bits on
+    scales-last rows: one matrix, a pair, a grouped launch, the weight prologue on and off, under
+    a register cap; half a step (256: blocks b + 8 past the row) to 16 steps (8192). With
+    _Q8_0_S1_ROWS = 1 every row count takes one warp per row (the shape the pairs kernel serves);
+    then the HC-post epilogue on a matrix of rows x Kd."""
+    moe_knobs(_Q8_0_S1_ROWS=1)
+    rng = _rng(31)
+    q8 = _Q8Pair(rng, rows, Kd)
+    for o, w in q8.matrices():
+        K.q8_0_relayout(q8.arena, o, w.shape[0], Kd)
+    moe_knobs(_Q8_0_PAIRS=False)
+    want = q8.decode_outputs(True)
+    for pre, regs in ((False, 0), (True, 0), (True, 48)):
+        moe_knobs(_Q8_0_PAIRS=True, _Q8_0_PAIRS_U=U, _Q8_0_PRE=pre, _Q8_0_PAIRS_REGS=regs)
+        for got, exp, what in zip(q8.decode_outputs(True), want, ("one", "pair", "grouped")):
+            assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), f"{what}, prologue {pre}, cap {regs}"
+    state, f_b, post, comb = _hc_inputs(rng, 4, rows)
+
+    def with_hc(pairs):
+        moe_knobs(_Q8_0_PAIRS=pairs)
+        out = cuda.device_array((1, rows), np.float32)
+        d_state = cuda.to_device(state)
+        K.matmul_q8_0(q8.arena, q8.oa, rows, Kd, 1, q8.xq, q8.xd, out, scales_last=True,
+                      hc=(d_state, cuda.to_device(f_b), cuda.to_device(post), cuda.to_device(comb)))
+        return out.copy_to_host(), d_state.copy_to_host()
+
+    (out_r, st_r), (out_p, st_p) = with_hc(False), with_hc(True)
+    assert np.array_equal(out_p, out_r) and np.array_equal(st_p.view(np.uint32), st_r.view(np.uint32))
+    assert not np.array_equal(st_p, state)
+
+
 @pytest.mark.parametrize("rows,Kd", [(37, 256), (300, 1024), (2100, 4096), (64, 8192)])
 def test_q8_0_scales_last_rows_same_bits(moe_knobs, rows, Kd):
     """Q8_0 rows that q8_0_relayout rewrote scales-last (formats.to_scales_last's bytes) give the
