@@ -455,7 +455,7 @@ def bench_tune_pairs(timer, copy_bw, rng, log):
     variants = []
     for rep in (0, 1):
         variants.append((rep, {"_Q8_0_PAIRS": False}, True, "q8_0_rows"))
-        for U, regs in ((4, 0), (2, 0), (4, 48)):
+        for U, regs in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 40)):
             variants.append((rep, {"_Q8_0_PAIRS": True, "_Q8_0_PAIRS_U": U, "_Q8_0_PAIRS_REGS": regs}, True,
                              f"q8_0_pairs U={U} cap {regs or 'none'}"))
     return _q8_0_dense_under(timer, copy_bw, rng, log, variants)

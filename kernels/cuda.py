@@ -500,7 +500,7 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
 
 
 _Q8_0_PAIRS = True   # one-token, one-warp-per-row launches on scales-last rows take q8_0_pairs
-_Q8_0_PAIRS_U = 4    # its steps (of 16 blocks) whose weights a lane loads before it uses the first
+_Q8_0_PAIRS_U = 2    # its steps (of 16 blocks) whose weights a lane loads before it uses the first
 _Q8_0_PAIRS_REGS = 0  # its register cap (0: none)
 
 
