@@ -517,15 +517,19 @@ def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
     NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
 
     @_inline
+    def quad_into(dst, u, src, i, valid):
+        """dst[u, 0:4] = the 4 words src[i:i + 4] (one 16-byte load), or zeros."""
+        for k in range(4):
+            dst[u, k] = 0
+        if valid:
+            dst[u, 0], dst[u, 1], dst[u, 2], dst[u, 3] = ld_quad(src, _ix(i))
+
+    @_inline
     def load_fn(a32, hrow, step0, slot, h, nb, q, wd):
         for u in range(U):
             b = (step0 + u) * 16 + slot
-            wd[u] = float32(0.0)
-            for k in range(4):
-                q[u, k] = uint32(0)
-            if b < nb:
-                wd[u] = f16_bits_to_f32(ld_half(a32, _ix(hrow + 16 * nb + b)))
-                q[u, 0], q[u, 1], q[u, 2], q[u, 3] = ld_quad(a32, _ix((hrow >> 1) + 8 * b + 4 * h))
+            quad_into(q, u, a32, (hrow >> 1) + 8 * b + 4 * h, b < nb)
+            wd[u] = f16_bits_to_f32(ld_half(a32, _ix(hrow + 16 * nb + b))) if b < nb else float32(0.0)
 
     @_inline
     def dot_fn(step0, slot, h, nb, xq32, xd, x_tok, q, wd, xw, xs, acc):
@@ -533,12 +537,8 @@ def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
         # at once, would add U round trips to the warp's life
         for u in range(U):
             b = (step0 + u) * 16 + slot
-            xs[u] = float32(0.0)
-            for k in range(4):
-                xw[u, k] = int32(0)
-            if b < nb:
-                xw[u, 0], xw[u, 1], xw[u, 2], xw[u, 3] = ld_quad(xq32, _ix(x_tok * (nb * 8) + b * 8 + 4 * h))
-                xs[u] = xd[_ix(x_tok * nb + b)]
+            quad_into(xw, u, xq32, x_tok * (nb * 8) + b * 8 + 4 * h, b < nb)
+            xs[u] = xd[_ix(x_tok * nb + b)] if b < nb else float32(0.0)
         for u in range(U):
             b = (step0 + u) * 16 + slot
             scale = wd[u] * xs[u]
