@@ -500,8 +500,12 @@ def _q8_0_kernel(S, T, U=_Q8_0_U, scales_last=False, PRE=False):
 
 
 _Q8_0_PAIRS = True   # one-token, one-warp-per-row launches on scales-last rows take q8_0_pairs
+                     # (H200, session 25, kbench: q_b 15.4 -> 13.5 us, out_a 14.7 -> 12.3, out_b
+                     # 14.8 -> 12.2, head 143 -> 132; decode_ab 7.47 -> 7.15 ms per step)
 _Q8_0_PAIRS_U = 2    # its steps (of 16 blocks) whose weights a lane loads before it uses the first
-_Q8_0_PAIRS_REGS = 0  # its register cap (0: none)
+                     # (decode_ab: U 1 7.55 ms, 2 7.11-7.18, 3 7.24-7.28, 4 7.32-7.35; kbench alone
+                     # favours 3 on out_a / out_b, 11.6 against 12.3 us)
+_Q8_0_PAIRS_REGS = 0  # its register cap (0: none; 40 spills 16 bytes at U 2: 7.37-7.39 ms)
 
 
 def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
