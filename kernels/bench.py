@@ -451,13 +451,14 @@ def bench_tune_pre(timer, copy_bw, rng, log):
 def bench_tune_pairs(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes (scales-last rows) with the one-warp-per-row launches in q8_0_rows
     (8 blocks per warp step) and in q8_0_pairs (16, two lanes per block) under its steps per
-    chunk and register caps, alternating twice; the same bits everywhere (bench_dense checks)."""
+    chunk, register caps and the one-chunk kernel, alternating twice; the same bits everywhere (bench_dense checks)."""
     variants = []
     for rep in (0, 1):
         variants.append((rep, {"_Q8_0_PAIRS": False}, True, "q8_0_rows"))
-        for U, regs in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 40)):
-            variants.append((rep, {"_Q8_0_PAIRS": True, "_Q8_0_PAIRS_U": U, "_Q8_0_PAIRS_REGS": regs}, True,
-                             f"q8_0_pairs U={U} cap {regs or 'none'}"))
+        for U, regs, one in ((2, 0, True), (2, 0, False), (3, 0, True), (4, 0, True), (2, 40, True)):
+            variants.append((rep, {"_Q8_0_PAIRS": True, "_Q8_0_PAIRS_U": U, "_Q8_0_PAIRS_REGS": regs,
+                                   "_Q8_0_PAIRS_ONE": one}, True,
+                             f"q8_0_pairs U={U} cap {regs or 'none'}{'' if one else ', chunk loop always'}"))
     return _q8_0_dense_under(timer, copy_bw, rng, log, variants)
 
 

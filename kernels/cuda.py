@@ -506,9 +506,11 @@ _Q8_0_PAIRS_U = 2    # its steps (of 16 blocks) whose weights a lane loads befor
                      # (decode_ab: U 1 7.55 ms, 2 7.11-7.18, 3 7.24-7.28, 4 7.32-7.35; kbench alone
                      # favours 3 on out_a / out_b, 11.6 against 12.3 us)
 _Q8_0_PAIRS_REGS = 0  # its register cap (0: none; 40 spills 16 bytes at U 2: 7.37-7.39 ms)
+_Q8_0_PAIRS_ONE = True  # rows of one chunk (nsteps <= U: q_b, K 1024) get a kernel without the chunk
+                        # loop (ptxas sm_90 at U 2: 32 registers instead of 48, 64 warps per SM)
 
 
-def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
+def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0, ONE=False):
     """q8_0_rows for one token and one warp per row (S = 1), on scales-last rows, with half its
     instructions per weight byte: two lanes per block (16 quant bytes each, one 16-byte load; four
     dp4a and one shuffle give the block's integer dot), so a warp step covers 16 blocks, not 8.
@@ -517,7 +519,8 @@ def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
     (mod 8) in increasing order; here the lane pair of slot j < 8 carries group j's sum (block
     16 s + j of step s, then block 16 s + j + 8, received from slot j + 8, i.e. lane + 16), and
     the butterfly over the groups runs over lane pairs (xor 8, 4, 2 instead of 16, 8, 4).
-    nsteps = ceil(nb / 16) steps per row, nchunks = ceil(nsteps / U) chunks."""
+    nsteps = ceil(nb / 16) steps per row, nchunks = ceil(nsteps / U) chunks; ONE: nchunks is 1
+    (a compile-time constant: no chunk loop)."""
     NWD = _NW_DENSE   # closure constants, not globals, in the kernel: see _CACHE_KERNELS
 
     @_inline
@@ -582,7 +585,7 @@ def _q8_0_pairs_kernel(U=_Q8_0_PAIRS_U, PRE=False, max_regs=0):
         acc = float32(0.0)
         if row < rows:                      # warp-uniform
             x_tok = row // x_group_rows if x_group_rows < rows else 0
-            for c in range(nchunks):
+            for c in range(1 if ONE else nchunks):
                 if not PRE or c != 0:
                     load_fn(a32, hrow, c * U, slot, h, nb, q, wd)
                 acc = dot_fn(c * U, slot, h, nb, xq32, xd, x_tok, q, wd, xw, xs, acc)
@@ -1485,7 +1488,8 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
     if _Q8_0_PAIRS and sl and n_tok == 1 and S == 1 and _dev_ptr(xq) % 16 == 0:
         nsteps = (nb + 15) // 16
         U2, regs = min(_Q8_0_PAIRS_U, nsteps), _Q8_0_PAIRS_REGS    # U sets no sum's order here
-        kernel = _cached(("q8_0_pairs", U2, pre, regs), lambda: _q8_0_pairs_kernel(U2, pre, regs))
+        one = bool(_Q8_0_PAIRS_ONE) and nsteps <= U2
+        kernel = _cached(("q8_0_pairs", U2, pre, regs, one), lambda: _q8_0_pairs_kernel(U2, pre, regs, one))
         kernel[(rows + _NW_DENSE - 1) // _NW_DENSE, _NW_DENSE * WARP, _stream(stream)](
             a32, off_a // 2, 17 * nb, rows, nb, (nsteps + U2 - 1) // U2, _as_i32(xq), _flat(xd),
             _flat(out), off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))

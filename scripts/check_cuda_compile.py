@@ -116,6 +116,8 @@ quant = {
  "q8_0_pairs (decode, weight prologue)": (lambda: qk._q8_0_pairs_kernel(4, True), q8_pairs),
  "q8_0_pairs (decode)": (lambda: qk._q8_0_pairs_kernel(4, False), q8_pairs),
  "q8_0_pairs (decode, steps of 2)": (lambda: qk._q8_0_pairs_kernel(2, True), q8_pairs),
+ # _Q8_0_PAIRS_ONE: rows of one chunk (q_b)
+ "q8_0_pairs (decode, steps of 2, one chunk)": (lambda: qk._q8_0_pairs_kernel(2, True, 0, True), q8_pairs),
  "q8_0_rows_mma (prefill, split-K 2)": (lambda: qk._q8_0_mma_kernel(2, qk._Q8_0_U),
                                         (u16a, i64, i64, i64, i64, i64a, f32a, i64, f32a, i64, i64, i64)),
  # the 8-byte loads (what unaligned launches take), then the knobs named below one at a time, then

@@ -498,7 +498,7 @@ def test_q8_0_weight_prologue_same_bits(moe_knobs, rows, Kd):
 def test_q8_0_pairs_same_bits_as_q8_0_rows(moe_knobs, rows, Kd, U):
     """q8_0_pairs (one token, one warp per row, two lanes per block) gives q8_0_rows' bits on
     scales-last rows: one matrix, a pair, a grouped launch, the weight prologue on and off, under
-    a register cap; half a step (256: blocks b + 8 past the row) to 16 steps (8192). With
+    a register cap, with and without the one-chunk kernel (rows of <= U steps); half a step (256: blocks b + 8 past the row) to 16 steps (8192). With
     _Q8_0_S1_ROWS = 1 every row count takes one warp per row (the shape the pairs kernel serves);
     then the HC-post epilogue on a matrix of rows x Kd."""
     moe_knobs(_Q8_0_S1_ROWS=1)
@@ -508,10 +508,11 @@ def test_q8_0_pairs_same_bits_as_q8_0_rows(moe_knobs, rows, Kd, U):
         K.q8_0_relayout(q8.arena, o, w.shape[0], Kd)
     moe_knobs(_Q8_0_PAIRS=False)
     want = q8.decode_outputs(True)
-    for pre, regs in ((False, 0), (True, 0), (True, 48)):
-        moe_knobs(_Q8_0_PAIRS=True, _Q8_0_PAIRS_U=U, _Q8_0_PRE=pre, _Q8_0_PAIRS_REGS=regs)
+    for pre, regs, one in ((False, 0, True), (True, 0, True), (True, 48, True), (True, 0, False)):
+        moe_knobs(_Q8_0_PAIRS=True, _Q8_0_PAIRS_U=U, _Q8_0_PRE=pre, _Q8_0_PAIRS_REGS=regs, _Q8_0_PAIRS_ONE=one)
         for got, exp, what in zip(q8.decode_outputs(True), want, ("one", "pair", "grouped")):
-            assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), f"{what}, prologue {pre}, cap {regs}"
+            assert np.array_equal(got.view(np.uint32), exp.view(np.uint32)), \
+                f"{what}, prologue {pre}, cap {regs}, one-chunk kernel {one}"
     state, f_b, post, comb = _hc_inputs(rng, 4, rows)
 
     def with_hc(pairs):
