@@ -451,7 +451,8 @@ def bench_tune_pre(timer, copy_bw, rng, log):
 def bench_tune_pairs(timer, copy_bw, rng, log):
     """The Q8_0 decode shapes (scales-last rows) with the one-warp-per-row launches in q8_0_rows
     (8 blocks per warp step) and in q8_0_pairs (16, two lanes per block) under its steps per
-    chunk, register caps and the one-chunk kernel, alternating twice; the same bits everywhere (bench_dense checks)."""
+    chunk, register caps and the one-chunk kernel, alternating twice; the same bits everywhere
+    (bench_dense checks them)."""
     variants = []
     for rep in (0, 1):
         variants.append((rep, {"_Q8_0_PAIRS": False}, True, "q8_0_rows"))

@@ -172,11 +172,12 @@ def q8_0_pairs_same(rows, Kd, U, seed=5):
         K.matvec_q8_0_grouped(arena, oa, rows, Kd, 2, xgq, xgd, grouped, scales_last=True)
         return [a.copy_to_host() for a in (one, pair, grouped)]
 
+    saved = {n: getattr(K, n) for n in ("_Q8_0_S1_ROWS", "_Q8_0_PAIRS", "_Q8_0_PAIRS_U")}
     _knobs(_Q8_0_S1_ROWS=1, _Q8_0_PAIRS=False)
     want = run()
     _knobs(_Q8_0_PAIRS=True, _Q8_0_PAIRS_U=U)
     got = run()
-    _knobs(_Q8_0_S1_ROWS=4096, _Q8_0_PAIRS=True, _Q8_0_PAIRS_U=4)
+    _knobs(**saved)
     return all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
 
 
