@@ -789,6 +789,9 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
         return (f"gu rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']} regs {k['_REGS_GATE_UP'] or '-'} "
                 f"x_regs {int(k['_X_REGS_GATE_UP'])} split {int(k['_IQ2_SPLIT_SIGNS'])}{gu_const}; down {dn}")
 
+    # all of them on moe_gate_up_decode (moe_gate_up_halves is tune_halves')
+    names += ("_GU_HALVES",)
+    variants = [v + (False,) for v in variants]
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
@@ -796,13 +799,33 @@ def bench_tune_gu(timer, copy_bw, rng, log, moe):
     """The shipped IQ2_XXS gate/up decode kernel with its tables filled before or after
     pdl_enter (_PRE_GATE_UP), on the file's rows and on repacked ones, and with other rows / warps
     per block. Same bits checked against the first variant."""
-    names = ("_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP", "_RPB_GATE_UP", "_NW_GATE_UP")
+    names = ("_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP", "_RPB_GATE_UP", "_NW_GATE_UP", "_GU_HALVES")
     variants = [(False, False, 4, 6), (True, False, 4, 6), (False, True, 4, 6), (True, True, 4, 6),
                 (True, False, 8, 8), (True, False, 3, 4), (False, False, 4, 6), (True, False, 4, 6)]
+    variants = [v + (False,) for v in variants]
 
     def describe(k):
         return (f"pre {int(k['_PRE_GATE_UP'])} repacked {int(k['_IQ2_REPACKED_GATE_UP'])} "
                 f"rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
+
+    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
+
+
+def bench_tune_halves(timer, copy_bw, rng, log, moe):
+    """moe_gate_up_halves (_GU_HALVES: a lane per half super-block) against moe_gate_up_decode,
+    with its next unit in flight or not (_GU_HALVES_PF), register caps, rows and warps per block.
+    Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
+    variants come again at the end (drift between the first and last minutes)."""
+    names = ("_GU_HALVES", "_GU_HALVES_PF", "_GU_HALVES_REGS", "_RPB_GATE_UP", "_NW_GATE_UP")
+    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM), with PF 118 (2 blocks of 6, 4 of 4)
+    variants = [(False, False, 0, 4, 6), (True, False, 0, 4, 6), (True, True, 0, 4, 6),
+                (True, False, 0, 8, 4), (True, False, 0, 4, 4), (True, True, 0, 8, 4),
+                (True, True, 96, 4, 6), (True, False, 0, 8, 8), (True, False, 64, 4, 6),
+                (True, True, 0, 2, 4), (False, False, 0, 4, 6), (True, False, 0, 4, 6)]
+
+    def describe(k):
+        return (f"{'halves' if k['_GU_HALVES'] else 'decode'} pf {int(k['_GU_HALVES_PF'])} "
+                f"regs {k['_GU_HALVES_REGS'] or '-'} rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
@@ -1021,7 +1044,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu"} & set(parts) else None
+    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves"} & set(parts) else None
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -1040,6 +1063,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_moe"] = bench_tune_moe(timer, copy_bw, rng, log, moe)
     if "tune_gu" in parts:
         res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
+    if "tune_halves" in parts:
+        res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

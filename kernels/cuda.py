@@ -2262,6 +2262,166 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
     return moe_gate_up_decode
 
 
+_GU_HALVES = True     # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
+_GU_HALVES_PF = False  # its next unit's words loaded before the unit is computed (ptxas sm_90:
+                       # 118 registers against 70)
+_GU_HALVES_REGS = 0    # its register cap (0: none)
+
+
+def gate_up_halves_applies(wtype, K, xq):
+    """moe_gate_up_halves takes IQ2_XXS rows of 1..16 super-blocks in the file's layout with the
+    activation on a 16-byte boundary (it reads x in 16-byte words); else moe_gate_up_decode."""
+    return (_GU_HALVES and not _IQ2_REPACKED_GATE_UP and wtype == F.IQ2_XXS and K % 256 == 0
+            and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
+
+
+def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False):
+    """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
+    4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
+    shape and arguments of moe_gate_up_decode (xbs and nsb unused).
+
+    moe_gate_up_decode gives a lane one 32-weight sub-block and adds the 8 lanes of a super-block
+    with 3 shuffles per sub-block; here a lane adds its 4 sub-blocks in registers, one shuffle joins
+    the two halves, and the f32 terms of a row cost one chain of shuffles. Its 32 weight bytes are
+    9 aligned 4-byte loads and one funnel shift per word (a super-block is 66 bytes: half of them
+    start 2 bytes off a word), 10 loads where moe_gate_up_decode has 20 (16-bit) per 128 weights.
+
+    The same bits as moe_gate_up_decode: the block's integer sum is exact in any order, and the f32
+    order is kept. There, lane group q (lane >> 3) adds the terms (d_w d_x) * isum of super-blocks
+    sb = q, q + 4, q + 8, q + 12 with fma in that order, then the groups meet in a butterfly (xor
+    16: q ^ 2, then xor 8: q ^ 1). Here the term of sb sits in lanes 2 sb, 2 sb + 1; the chain
+    hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: group g - 1 to g of the 8-lane groups
+    g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane xor
+    4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
+
+    PF: the next unit's words are loaded before this unit is computed (a second register buffer,
+    copied over at the top of the next unit: numba keeps a local array in registers only when
+    every index is a constant)."""
+    NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
+    LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
+    NWD = 10                            # words per row and lane: 9 data words, the f16 d
+    NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
+
+    @_inline
+    def load_half(a16, a32, roff, sb, h, valid, w, o):
+        """w[o:o + 9]: the aligned words covering the lane's 32 bytes, w[o + 9]: d (f16 bits)."""
+        start = roff + 66 * sb + 2 + 32 * h             # bytes: after d, sub-blocks 4 h ..
+        base = start >> 2
+        for i in range(NWD):
+            w[o + i] = uint32(0)
+        if valid:
+            for i in range(8):
+                w[o + i] = a32[_ix(base + i)]
+            if start & 2:                               # 2 bytes off a word: one word more
+                w[o + 8] = a32[_ix(base + 8)]
+            w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
+
+    @_jit_capped(max_regs)
+    def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
+                           n_ff, rb, rpb, mid, grid_g, ks_g):
+        if not PRE:
+            pdl_enter()
+        grid_s = cuda.shared.array(256, uint32)
+        ks_s = cuda.shared.array(129, uint32)
+        if PRE:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
+            pdl_enter()                                 # everything below may read earlier grids' output
+        else:
+            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
+        if cuda.threadIdx.x == 0:
+            ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
+        cuda.syncthreads()
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        sb = lane >> 1
+        h = lane & 1
+        valid = sb < NSB
+        grp = sb >> 2
+        xw = cuda.local.array(32, int32)                # x of the lane's 128 weights, all rows
+        for i in range(32):
+            xw[i] = int32(0)
+        xds = float32(0.0)
+        if valid:
+            for i in range(8):
+                xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
+            xds = xd[sb]
+        pos = ks_s[128]                                 # a register operand (see iq2_permute)
+        c32 = float32(clamp)
+        w = cuda.local.array(NW2, uint32)
+        res = cuda.local.array(2, float32)
+        roffs = cuda.local.array(2, int64)
+        w_n = cuda.local.array(NW2, uint32)             # PF: the next unit's
+        roffs_n = cuda.local.array(2, int64)
+        shs = cuda.local.array(2, uint32)
+        totals = cuda.local.array(2, int32)
+        terms = cuda.local.array(2, float32)
+        r0 = cuda.blockIdx.x * rpb
+        n_units = min(rpb, n_ff - r0) * n_used
+        nwarps = cuda.blockDim.x >> 5
+        r = r0 + warp // n_used                         # unit = (r - r0) * n_used + k, stepped
+        k = warp % n_used                               # without a division per unit
+        if PF and warp < n_units:                       # the first unit's words
+            for m in range(2):
+                roffs_n[m] = slot_off[k * 3 + m] + r * rb
+                load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
+        for unit in range(warp, n_units, nwarps):       # warp-uniform loop
+            if PF:
+                for i in range(NW2):
+                    w[i] = w_n[i]
+                for m in range(2):
+                    roffs[m] = roffs_n[m]
+                k_n = k + nwarps                        # the next unit's words, in flight
+                r_n = r
+                while k_n >= n_used:
+                    k_n -= n_used
+                    r_n += 1
+                if unit + nwarps < n_units:
+                    for m in range(2):
+                        roffs_n[m] = slot_off[k_n * 3 + m] + r_n * rb
+                        load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
+            else:
+                for m in range(2):                      # gate row, up row: all loads first
+                    roffs[m] = slot_off[k * 3 + m] + r * rb
+                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
+            # row computed after the other would get its words (and both d) only then
+            for m in range(2):
+                # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
+                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
+                totals[m] = int32(0)
+                terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
+            for s in range(4):
+                for m in range(2):
+                    o = m * NWD
+                    aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
+                    aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
+                    sumi = int32(0)
+                    for l in range(4):
+                        w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))],
+                                                 ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
+                        sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
+                        sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
+                    totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
+            for m in range(2):
+                bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
+                acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
+                for g in range(1, NST):                 # the chain: group g - 1 hands on to g
+                    prev = cuda.shfl_xor_sync(FULL_MASK, acc, ((g - 1) ^ g) << 3)
+                    if grp == g:
+                        acc = cuda.fma(terms[m], bsum, prev) if valid else prev
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
+                res[m] = float32(0.125) * acc
+            if lane == LOUT:
+                mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
+            k += nwarps
+            while k >= n_used:
+                k -= n_used
+                r += 1
+
+    return moe_gate_up_halves
+
+
 def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     """One warp per output row: it walks the row's (slot, chunk) units in slot order, the next
     unit's weights loading while the current one is computed, and adds the slot results in slot
@@ -3506,6 +3666,16 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
+    rpb = _RPB_GATE_UP
+    if gate_up_halves_applies(gate_type, n_embd, xq):
+        NSB, pre, regs, pf = n_embd // 256, _PRE_GATE_UP, _GU_HALVES_REGS, _GU_HALVES_PF
+        kernel = _cached(("moe_gu_halves", NSB, pre, regs, pf),
+                         lambda: _moe_gate_up_halves_kernel(NSB, pre, regs, pf))
+        kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream)](
+            a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd), _dummy_i32(), NSB,
+            _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid),
+            *_iq2_selector_tables_device())
+        return
     NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
     regs = _REGS_GATE_UP
     NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
@@ -3518,7 +3688,6 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre),
                      lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre))
     grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
-    rpb = _RPB_GATE_UP
     shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
     kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),

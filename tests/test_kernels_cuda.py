@@ -305,7 +305,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -410,6 +410,34 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
     moe_knobs(_PRE_GATE_UP=True)                     # the tables filled before pdl_enter
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
+
+
+# (rows per block, warps per block, next unit in flight, register cap, tables before pdl_enter)
+_HALVES_VARIANTS = [(4, 6, False, 0, True), (4, 6, True, 0, True), (8, 4, False, 0, False),
+                    (3, 4, True, 96, True)]
+
+
+@pytest.mark.parametrize("rpb,nw,pf,regs,pre", _HALVES_VARIANTS,
+                         ids=[f"rpb{v[0]}-nw{v[1]}-pf{int(v[2])}-regs{v[3]}-pre{int(v[4])}" for v in _HALVES_VARIANTS])
+def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pf, regs, pre):
+    """moe_gate_up_halves (a lane per half super-block, _GU_HALVES) against the first gate/up
+    kernel on the flash rows (16 super-blocks): the same integers and the same f32 order, so mid
+    and the MoE output are the same bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _GU_HALVES_PF=pf,
+                                      _GU_HALVES_REGS=regs, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw,
+                                      _PRE_GATE_UP=pre)
+
+
+@pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840])
+@pytest.mark.parametrize("pf", [False, True])
+def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, pf):
+    """moe_gate_up_halves on rows of 1, 3, 5 and 15 super-blocks (idle lanes, partial chain
+    steps; rows of 198 and 330 bytes start on both word alignments) and n_ff 20 (a partial last
+    block), against the first gate/up kernel bit for bit."""
+    moe_knobs(**_FIRST_MOE_DECODE)
+    ref = _gate_up_mid(n_embd, 20, 3, 25)
+    moe_knobs(_GU_HALVES=True, _GU_HALVES_PF=pf, _RPB_GATE_UP=4, _NW_GATE_UP=6)
+    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25), ref)
 
 
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
