@@ -34,7 +34,7 @@ from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
-                              shr64_lo)
+                              shr64_lo, warp_sync)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2266,6 +2266,8 @@ _GU_HALVES = True     # IQ2_XXS gate/up decode rows of at most 16 super-blocks: 
 _GU_HALVES_PF = False  # its next unit's words loaded before the unit is computed (ptxas sm_90:
                        # 118 registers against 70)
 _GU_HALVES_REGS = 0    # its register cap (0: none)
+_GU_HALVES_ST = False  # its rows copied to shared memory with cp.async, two units ahead (rows of a
+                       # multiple of 8 super-blocks)
 
 
 def gate_up_halves_applies(wtype, K, xq):
@@ -2275,7 +2277,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW=_NW_GATE_UP):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2296,11 +2298,53 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False):
 
     PF: the next unit's words are loaded before this unit is computed (a second register buffer,
     copied over at the top of the next unit: numba keeps a local array in registers only when
-    every index is a constant)."""
+    every index is a constant).
+
+    ST (rows of a multiple of 8 super-blocks, NW warps per block): each unit's two rows are
+    copied into shared memory with cp.async, two units ahead (one buffer per unit in flight), in
+    16-byte pieces: a warp's copy instruction reads 512 contiguous bytes where the lanes' own
+    4-byte loads touch ~33 sectors each; the lanes then read their words from shared memory (no
+    bank conflicts: lane 2 sb + h starts at word (66 sb + 2 + 32 h) / 4). A row whose offset is
+    not a multiple of 16 is read from global memory as without ST."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
     NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
+    RW = (66 * NSB) >> 2                # ST: words per row, pieces per row, shared words per warp
+    RP = RW >> 2
+    WPW = 4 * RW
+    SW_N = NW * WPW if ST else 1
+    NPC = (2 * RP + 31) // 32           # pieces per lane and unit
+    assert not ST or NSB % 8 == 0, "ST needs rows of whole 16-byte pieces"
+
+    @_inline
+    def issue(sw, wb, a32, ro0, ro1, lane):
+        """cp.async the unit's gate row (ro0) and up row (ro1) to sw[wb:], then commit (an empty
+        group when a row is not on a 16-byte boundary)."""
+        if ((ro0 | ro1) & 15) == 0:
+            for j in range(NPC):
+                c = lane + 32 * j
+                if c < 2 * RP:
+                    up = c >= RP
+                    within = c - RP if up else c
+                    ro = ro1 if up else ro0
+                    cp_async16_at(sw, uint32(wb + (RW if up else 0) + 4 * within), 0, a32, ro >> 2,
+                                  uint32(4 * within))
+        cp_async_commit()
+
+    @_inline
+    def load_half_shared(sw, wb, sb, h, valid, w, o):
+        """load_half's words from a row copied to sw[wb:]."""
+        start = 66 * sb + 2 + 32 * h
+        base = wb + (start >> 2)
+        for i in range(NWD):
+            w[o + i] = uint32(0)
+        if valid:
+            for i in range(8):
+                w[o + i] = sw[_ix(base + i)]
+            if start & 2:
+                w[o + 8] = sw[_ix(base + 8)]
+            w[o + 9] = (sw[_ix(wb + ((33 * sb) >> 1))] >> uint32(16 * (sb & 1))) & uint32(0xFFFF)
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2364,8 +2408,51 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False):
             for m in range(2):
                 roffs_n[m] = slot_off[k * 3 + m] + r * rb
                 load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
+        sw = cuda.shared.array(SW_N, uint32)
+        wb = warp * WPW
+        buf = 0
+        k1 = k + nwarps                                 # ST: the next unit's (slot, row)
+        r1 = r
+        while k1 >= n_used:
+            k1 -= n_used
+            r1 += 1
+        if ST:                                          # the first two units in flight
+            for m in range(2):                          # an odd offset: no unit, nothing copied
+                roffs[m] = int64(1)
+                roffs_n[m] = int64(1)
+            if warp < n_units:
+                for m in range(2):
+                    roffs[m] = slot_off[k * 3 + m] + r * rb
+            issue(sw, wb, a32, roffs[0], roffs[1], lane)
+            if warp + nwarps < n_units:
+                for m in range(2):
+                    roffs_n[m] = slot_off[k1 * 3 + m] + r1 * rb
+            issue(sw, wb + 2 * RW, a32, roffs_n[0], roffs_n[1], lane)
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
-            if PF:
+            if ST:
+                cp_async_wait1()                        # this lane's pieces of this unit have landed
+                warp_sync()                             # ... and every lane's
+                for m in range(2):
+                    if ((roffs[0] | roffs[1]) & 15) == 0:
+                        load_half_shared(sw, wb + buf * 2 * RW + m * RW, sb, h, valid, w, m * NWD)
+                    else:
+                        load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+                warp_sync()                             # all read: the buffer may be refilled
+                k2 = k1 + nwarps                        # the unit after the next
+                r2 = r1
+                while k2 >= n_used:
+                    k2 -= n_used
+                    r2 += 1
+                ro0 = int64(1)
+                ro1 = int64(1)
+                if unit + 2 * nwarps < n_units:
+                    ro0 = slot_off[k2 * 3] + r2 * rb
+                    ro1 = slot_off[k2 * 3 + 1] + r2 * rb
+                issue(sw, wb + buf * 2 * RW, a32, ro0, ro1, lane)
+                k1 = k2
+                r1 = r2
+                buf ^= 1
+            elif PF:
                 for i in range(NW2):
                     w[i] = w_n[i]
                 for m in range(2):
@@ -2414,6 +2501,11 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False):
                 res[m] = float32(0.125) * acc
             if lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
+            if ST:                                      # the next unit's offsets, then the one after
+                for m in range(2):
+                    roffs[m] = roffs_n[m]
+                roffs_n[0] = ro0
+                roffs_n[1] = ro1
             k += nwarps
             while k >= n_used:
                 k -= n_used
@@ -3668,9 +3760,10 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     rpb = _RPB_GATE_UP
     if gate_up_halves_applies(gate_type, n_embd, xq):
-        NSB, pre, regs, pf = n_embd // 256, _PRE_GATE_UP, _GU_HALVES_REGS, _GU_HALVES_PF
-        kernel = _cached(("moe_gu_halves", NSB, pre, regs, pf),
-                         lambda: _moe_gate_up_halves_kernel(NSB, pre, regs, pf))
+        NSB, pre, regs, pf, nw = n_embd // 256, _PRE_GATE_UP, _GU_HALVES_REGS, _GU_HALVES_PF, _NW_GATE_UP
+        st = _GU_HALVES_ST and NSB % 8 == 0
+        kernel = _cached(("moe_gu_halves", NSB, pre, regs, pf, st, nw),
+                         lambda: _moe_gate_up_halves_kernel(NSB, pre, regs, pf, st, nw))
         kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd), _dummy_i32(), NSB,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid),

@@ -186,7 +186,11 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
 
     def cp_async16_at(s, si, sk, a, base, off):
-        raise NotImplementedError("cp.async: no simulator version")
+        """The 16 bytes at element base + off of a into s from element si + sk, at once."""
+        src, dst = np.asarray(a).reshape(-1), np.asarray(s).reshape(-1)
+        g0 = (int(base) + int(off)) * src.dtype.itemsize
+        s0 = (int(si) + int(sk)) * dst.dtype.itemsize
+        dst.view(np.uint8)[s0:s0 + 16] = src.view(np.uint8)[g0:g0 + 16]
 
     def cp_async4_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
@@ -203,6 +207,12 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async_commit():
         return None
+
+    @forceinline
+    def warp_sync():
+        """A rendezvous of the warp's 32 threads (scripts/check_moe_decode_sim.py makes
+        shfl_xor_sync one)."""
+        cuda.shfl_xor_sync(0xFFFFFFFF, 0, 1)
 
     def cp_async_wait1():
         return None
@@ -475,6 +485,7 @@ else:
         return intrinsic(typer)
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
+    warp_sync = _asm_stmt("bar.warp.sync -1;")     # the warp's threads meet; their memory ops ordered
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
 
     @intrinsic

@@ -344,12 +344,13 @@ def moe_knobs():
     K._ROWDOTS.clear()
 
 
-def _gate_up_mid(n_embd, n_ff, n_used, seed):
-    """mid of moe_gate_up for random IQ2_XXS experts of n_embd columns (fresh weights, x, routes)."""
+def _gate_up_mid(n_embd, n_ff, n_used, seed, extra=0):
+    """mid of moe_gate_up for random IQ2_XXS experts of n_embd columns (fresh weights, x, routes);
+    the experts start `extra` bytes past a 256-byte boundary."""
     rng = _rng(seed)
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    arena, (og, ou) = _arena([gate, up])
+    arena, (og, ou) = _arena([(gate, extra), (up, extra)])
     stride = gate.shape[1] * gate.shape[2]
     slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)],
                                        np.int64))
@@ -412,20 +413,34 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
-# (rows per block, warps per block, next unit in flight, register cap, tables before pdl_enter)
-_HALVES_VARIANTS = [(4, 6, False, 0, True), (4, 6, True, 0, True), (8, 4, False, 0, False),
-                    (3, 4, True, 96, True)]
+# (rows per block, warps per block, next unit in flight, rows via shared memory, register cap,
+# tables before pdl_enter)
+_HALVES_VARIANTS = [(4, 6, False, False, 0, True), (4, 6, True, False, 0, True), (8, 4, False, False, 0, False),
+                    (3, 4, True, False, 96, True), (4, 6, False, True, 0, True), (8, 2, False, True, 0, False)]
 
 
-@pytest.mark.parametrize("rpb,nw,pf,regs,pre", _HALVES_VARIANTS,
-                         ids=[f"rpb{v[0]}-nw{v[1]}-pf{int(v[2])}-regs{v[3]}-pre{int(v[4])}" for v in _HALVES_VARIANTS])
-def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pf, regs, pre):
+@pytest.mark.parametrize("rpb,nw,pf,st,regs,pre", _HALVES_VARIANTS,
+                         ids=[f"rpb{v[0]}-nw{v[1]}-pf{int(v[2])}-st{int(v[3])}-regs{v[4]}-pre{int(v[5])}"
+                              for v in _HALVES_VARIANTS])
+def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pf, st, regs, pre):
     """moe_gate_up_halves (a lane per half super-block, _GU_HALVES) against the first gate/up
     kernel on the flash rows (16 super-blocks): the same integers and the same f32 order, so mid
-    and the MoE output are the same bits."""
+    and the MoE output are the same bits. rpb 8 x nw 2: 24 units per warp through the cp.async
+    pipeline of _GU_HALVES_ST."""
     _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _GU_HALVES_PF=pf,
-                                      _GU_HALVES_REGS=regs, _RPB_GATE_UP=rpb, _NW_GATE_UP=nw,
-                                      _PRE_GATE_UP=pre)
+                                      _GU_HALVES_ST=st, _GU_HALVES_REGS=regs, _RPB_GATE_UP=rpb,
+                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
+
+
+@pytest.mark.parametrize("extra", [0, 4, 2])
+def test_moe_gate_up_halves_rows_via_shared_memory(moe_knobs, extra):
+    """_GU_HALVES_ST on experts 16-byte aligned (copied by cp.async) and not (4 and 2 bytes off:
+    read from global memory instead), K 2048 and 4096, against the first gate/up kernel."""
+    for n_embd in (2048, 4096):
+        moe_knobs(**_FIRST_MOE_DECODE)
+        ref = _gate_up_mid(n_embd, 20, 3, 27, extra)
+        moe_knobs(_GU_HALVES=True, _GU_HALVES_ST=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
+        assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 27, extra), ref)
 
 
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840])
