@@ -2408,7 +2408,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
             for m in range(2):
                 roffs_n[m] = slot_off[k * 3 + m] + r * rb
                 load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
-        sw = cuda.shared.array(SW_N, uint32)
+        sw = cuda.shared.array(SW_N, uint32, alignment=16)    # cp.async: 16-byte pieces
         wb = warp * WPW
         buf = 0
         k1 = k + nwarps                                 # ST: the next unit's (slot, row)
@@ -3063,7 +3063,7 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
         pdl_enter()
         gsel_s = cuda.shared.array(256, uint32)
         ssel_s = cuda.shared.array(128, uint32)
-        sw = cuda.shared.array(SW_N, uint32)
+        sw = cuda.shared.array(SW_N, uint32, alignment=16)    # cp.async: 16-byte pieces
         sx = cuda.shared.array(SX_N, uint64)
         sxd = cuda.shared.array(SXD_N, float32)
         rbase = cuda.shared.array(ROWS, int64)
