@@ -3063,7 +3063,7 @@ def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
         pdl_enter()
         gsel_s = cuda.shared.array(256, uint32)
         ssel_s = cuda.shared.array(128, uint32)
-        sw = cuda.shared.array(SW_N, uint32, alignment=16)    # cp.async: 16-byte pieces
+        sw = cuda.shared.array(SW_N, uint32)
         sx = cuda.shared.array(SX_N, uint64)
         sxd = cuda.shared.array(SXD_N, float32)
         rbase = cuda.shared.array(ROWS, int64)
