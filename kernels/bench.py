@@ -813,21 +813,17 @@ def bench_tune_gu(timer, copy_bw, rng, log, moe):
 
 def bench_tune_halves(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves (_GU_HALVES: a lane per half super-block) against moe_gate_up_decode,
-    with its next unit in flight or not (_GU_HALVES_PF), its rows through shared memory
-    (_GU_HALVES_ST), register caps, rows and warps per block.
+    with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_GU_HALVES_PF", "_GU_HALVES_ST", "_GU_HALVES_REGS", "_RPB_GATE_UP", "_NW_GATE_UP")
-    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM); PF 118; ST 128 (96 spills 48 bytes)
-    variants = [(False, False, False, 0, 4, 6), (True, False, False, 0, 4, 6), (True, False, True, 0, 4, 6),
-                (True, False, True, 0, 8, 8), (True, False, True, 0, 4, 4), (True, False, True, 96, 4, 6),
-                (True, False, True, 0, 8, 4), (True, False, True, 0, 16, 8), (True, False, False, 0, 8, 8),
-                (True, True, False, 0, 8, 4), (False, False, False, 0, 4, 6), (True, False, False, 0, 4, 6),
-                (True, False, True, 0, 4, 6)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
+    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM)
+    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
+                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
 
     def describe(k):
-        return (f"{'halves' if k['_GU_HALVES'] else 'decode'} pf {int(k['_GU_HALVES_PF'])} st {int(k['_GU_HALVES_ST'])} "
-                f"regs {k['_GU_HALVES_REGS'] or '-'} rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
+        return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -34,7 +34,7 @@ from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
-                              shr64_lo, warp_sync)
+                              shr64_lo)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2262,12 +2262,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
     return moe_gate_up_decode
 
 
-_GU_HALVES = True     # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
-_GU_HALVES_PF = False  # its next unit's words loaded before the unit is computed (ptxas sm_90:
-                       # 118 registers against 70)
-_GU_HALVES_REGS = 0    # its register cap (0: none)
-_GU_HALVES_ST = False  # its rows copied to shared memory with cp.async, two units ahead (rows of a
-                       # multiple of 8 super-blocks)
+_GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
+                   # (H200, kbench tune_halves: 21.3 us against 22.3, 20.3 / 20.9 with PDL edges)
 
 
 def gate_up_halves_applies(wtype, K, xq):
@@ -2277,7 +2273,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW=_NW_GATE_UP):
+def _moe_gate_up_halves_kernel(NSB, PRE=True):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2287,64 +2283,23 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
     the two halves, and the f32 terms of a row cost one chain of shuffles. Its 32 weight bytes are
     9 aligned 4-byte loads and one funnel shift per word (a super-block is 66 bytes: half of them
     start 2 bytes off a word), 10 loads where moe_gate_up_decode has 20 (16-bit) per 128 weights.
+    ptxas sm_90: 70 registers, ~600 SASS instructions per (row, slot) unit against ~680. On the
+    H200 it gains 4-5 % only (session 26): with the next unit's words in registers (118
+    registers) it was 23.9 us, with each unit's rows copied to shared memory by cp.async two units
+    ahead (coalesced 16-byte pieces, 128 registers) 21.1-24.3, against 21.3: neither the load
+    latency nor the L1 traffic of the weight loads is what bounds it.
 
     The same bits as moe_gate_up_decode: the block's integer sum is exact in any order, and the f32
     order is kept. There, lane group q (lane >> 3) adds the terms (d_w d_x) * isum of super-blocks
     sb = q, q + 4, q + 8, q + 12 with fma in that order, then the groups meet in a butterfly (xor
     16: q ^ 2, then xor 8: q ^ 1). Here the term of sb sits in lanes 2 sb, 2 sb + 1; the chain
-    hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: group g - 1 to g of the 8-lane groups
-    g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane xor
-    4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
-
-    PF: the next unit's words are loaded before this unit is computed (a second register buffer,
-    copied over at the top of the next unit: numba keeps a local array in registers only when
-    every index is a constant).
-
-    ST (rows of a multiple of 8 super-blocks, NW warps per block): each unit's two rows are
-    copied into shared memory with cp.async, two units ahead (one buffer per unit in flight), in
-    16-byte pieces: a warp's copy instruction reads 512 contiguous bytes where the lanes' own
-    4-byte loads touch ~33 sectors each; the lanes then read their words from shared memory (no
-    bank conflicts: lane 2 sb + h starts at word (66 sb + 2 + 32 h) / 4). A row whose offset is
-    not a multiple of 16 is read from global memory as without ST."""
+    hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: from 8-lane group g - 1
+    to g, g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane
+    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..)."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
     NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
-    RW = (66 * NSB) >> 2                # ST: words per row, pieces per row, shared words per warp
-    RP = RW >> 2
-    WPW = 4 * RW
-    SW_N = NW * WPW if ST else 1
-    NPC = (2 * RP + 31) // 32           # pieces per lane and unit
-    assert not ST or NSB % 8 == 0, "ST needs rows of whole 16-byte pieces"
-
-    @_inline
-    def issue(sw, wb, a32, ro0, ro1, lane):
-        """cp.async the unit's gate row (ro0) and up row (ro1) to sw[wb:], then commit (an empty
-        group when a row is not on a 16-byte boundary)."""
-        if ((ro0 | ro1) & 15) == 0:
-            for j in range(NPC):
-                c = lane + 32 * j
-                if c < 2 * RP:
-                    up = c >= RP
-                    within = c - RP if up else c
-                    ro = ro1 if up else ro0
-                    cp_async16_at(sw, uint32(wb + (RW if up else 0) + 4 * within), 0, a32, ro >> 2,
-                                  uint32(4 * within))
-        cp_async_commit()
-
-    @_inline
-    def load_half_shared(sw, wb, sb, h, valid, w, o):
-        """load_half's words from a row copied to sw[wb:]."""
-        start = 66 * sb + 2 + 32 * h
-        base = wb + (start >> 2)
-        for i in range(NWD):
-            w[o + i] = uint32(0)
-        if valid:
-            for i in range(8):
-                w[o + i] = sw[_ix(base + i)]
-            if start & 2:
-                w[o + 8] = sw[_ix(base + 8)]
-            w[o + 9] = (sw[_ix(wb + ((33 * sb) >> 1))] >> uint32(16 * (sb & 1))) & uint32(0xFFFF)
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2360,7 +2315,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_jit_capped(max_regs)
+    @_jit_capped(0)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2394,8 +2349,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
         w = cuda.local.array(NW2, uint32)
         res = cuda.local.array(2, float32)
         roffs = cuda.local.array(2, int64)
-        w_n = cuda.local.array(NW2, uint32)             # PF: the next unit's
-        roffs_n = cuda.local.array(2, int64)
         shs = cuda.local.array(2, uint32)
         totals = cuda.local.array(2, int32)
         terms = cuda.local.array(2, float32)
@@ -2404,72 +2357,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
         nwarps = cuda.blockDim.x >> 5
         r = r0 + warp // n_used                         # unit = (r - r0) * n_used + k, stepped
         k = warp % n_used                               # without a division per unit
-        if PF and warp < n_units:                       # the first unit's words
-            for m in range(2):
-                roffs_n[m] = slot_off[k * 3 + m] + r * rb
-                load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
-        sw = cuda.shared.array(SW_N, uint32, alignment=16)    # cp.async: 16-byte pieces
-        wb = warp * WPW
-        buf = 0
-        k1 = k + nwarps                                 # ST: the next unit's (slot, row)
-        r1 = r
-        while k1 >= n_used:
-            k1 -= n_used
-            r1 += 1
-        if ST:                                          # the first two units in flight
-            for m in range(2):                          # an odd offset: no unit, nothing copied
-                roffs[m] = int64(1)
-                roffs_n[m] = int64(1)
-            if warp < n_units:
-                for m in range(2):
-                    roffs[m] = slot_off[k * 3 + m] + r * rb
-            issue(sw, wb, a32, roffs[0], roffs[1], lane)
-            if warp + nwarps < n_units:
-                for m in range(2):
-                    roffs_n[m] = slot_off[k1 * 3 + m] + r1 * rb
-            issue(sw, wb + 2 * RW, a32, roffs_n[0], roffs_n[1], lane)
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
-            if ST:
-                cp_async_wait1()                        # this lane's pieces of this unit have landed
-                warp_sync()                             # ... and every lane's
-                for m in range(2):
-                    if ((roffs[0] | roffs[1]) & 15) == 0:
-                        load_half_shared(sw, wb + buf * 2 * RW + m * RW, sb, h, valid, w, m * NWD)
-                    else:
-                        load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
-                warp_sync()                             # all read: the buffer may be refilled
-                k2 = k1 + nwarps                        # the unit after the next
-                r2 = r1
-                while k2 >= n_used:
-                    k2 -= n_used
-                    r2 += 1
-                ro0 = int64(1)
-                ro1 = int64(1)
-                if unit + 2 * nwarps < n_units:
-                    ro0 = slot_off[k2 * 3] + r2 * rb
-                    ro1 = slot_off[k2 * 3 + 1] + r2 * rb
-                issue(sw, wb + buf * 2 * RW, a32, ro0, ro1, lane)
-                k1 = k2
-                r1 = r2
-                buf ^= 1
-            elif PF:
-                for i in range(NW2):
-                    w[i] = w_n[i]
-                for m in range(2):
-                    roffs[m] = roffs_n[m]
-                k_n = k + nwarps                        # the next unit's words, in flight
-                r_n = r
-                while k_n >= n_used:
-                    k_n -= n_used
-                    r_n += 1
-                if unit + nwarps < n_units:
-                    for m in range(2):
-                        roffs_n[m] = slot_off[k_n * 3 + m] + r_n * rb
-                        load_half(a16, a32, roffs_n[m], sb, h, valid, w_n, m * NWD)
-            else:
-                for m in range(2):                      # gate row, up row: all loads first
-                    roffs[m] = slot_off[k * 3 + m] + r * rb
-                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            for m in range(2):                          # gate row, up row: all loads first
+                roffs[m] = slot_off[k * 3 + m] + r * rb
+                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
@@ -2501,11 +2392,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, max_regs=0, PF=False, ST=False, NW
                 res[m] = float32(0.125) * acc
             if lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            if ST:                                      # the next unit's offsets, then the one after
-                for m in range(2):
-                    roffs[m] = roffs_n[m]
-                roffs_n[0] = ro0
-                roffs_n[1] = ro1
             k += nwarps
             while k >= n_used:
                 k -= n_used
@@ -3760,10 +3646,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     rpb = _RPB_GATE_UP
     if gate_up_halves_applies(gate_type, n_embd, xq):
-        NSB, pre, regs, pf, nw = n_embd // 256, _PRE_GATE_UP, _GU_HALVES_REGS, _GU_HALVES_PF, _NW_GATE_UP
-        st = _GU_HALVES_ST and NSB % 8 == 0
-        kernel = _cached(("moe_gu_halves", NSB, pre, regs, pf, st, nw),
-                         lambda: _moe_gate_up_halves_kernel(NSB, pre, regs, pf, st, nw))
+        NSB, pre = n_embd // 256, _PRE_GATE_UP
+        kernel = _cached(("moe_gu_halves", NSB, pre), lambda: _moe_gate_up_halves_kernel(NSB, pre))
         kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd), _dummy_i32(), NSB,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid),

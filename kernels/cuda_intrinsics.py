@@ -208,12 +208,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def cp_async_commit():
         return None
 
-    @forceinline
-    def warp_sync():
-        """A rendezvous of the warp's 32 threads (scripts/check_moe_decode_sim.py makes
-        shfl_xor_sync one)."""
-        cuda.shfl_xor_sync(0xFFFFFFFF, 0, 1)
-
     def cp_async_wait1():
         return None
 
@@ -485,7 +479,6 @@ else:
         return intrinsic(typer)
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
-    warp_sync = _asm_stmt("bar.warp.sync -1;")     # the warp's threads meet; their memory ops ordered
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
 
     @intrinsic

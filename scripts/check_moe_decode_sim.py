@@ -203,7 +203,7 @@ def main():
     # moe_gate_up_halves (_GU_HALVES) against moe_gate_up_decode: one super-block (256: one lane
     # pair busy), 3 (768: one chain step, partial), 5 (1280: a partial second step), 16 (4096:
     # the flash rows, a chain of 4); 3 rows of 2 slots, rows odd and even (both word alignments)
-    for n_embd in (256, 768, 1280, 2048, 4096):
+    for n_embd in (256, 768, 1280, 4096):
         _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
                _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
         ref = gate_up(n_embd, 3, 2, 7)
@@ -211,13 +211,6 @@ def main():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-        if n_embd % 2048 == 0:              # the rows copied to shared memory (_GU_HALVES_ST)
-            _knobs(_GU_HALVES_ST=True)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, rows via shared memory = gate/up decode: K {n_embd}",
-                  flush=True)
-            _knobs(_GU_HALVES_ST=False)
     _knobs(_GU_HALVES=False)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)

@@ -413,46 +413,31 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
-# (rows per block, warps per block, next unit in flight, rows via shared memory, register cap,
-# tables before pdl_enter)
-_HALVES_VARIANTS = [(4, 6, False, False, 0, True), (4, 6, True, False, 0, True), (8, 4, False, False, 0, False),
-                    (3, 4, True, False, 96, True), (4, 6, False, True, 0, True), (8, 2, False, True, 0, False)]
+# (rows per block, warps per block, tables before pdl_enter)
+_HALVES_VARIANTS = [(4, 6, True), (8, 4, False), (8, 8, True)]
 
 
-@pytest.mark.parametrize("rpb,nw,pf,st,regs,pre", _HALVES_VARIANTS,
-                         ids=[f"rpb{v[0]}-nw{v[1]}-pf{int(v[2])}-st{int(v[3])}-regs{v[4]}-pre{int(v[5])}"
-                              for v in _HALVES_VARIANTS])
-def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pf, st, regs, pre):
+@pytest.mark.parametrize("rpb,nw,pre", _HALVES_VARIANTS,
+                         ids=[f"rpb{v[0]}-nw{v[1]}-pre{int(v[2])}" for v in _HALVES_VARIANTS])
+def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
     """moe_gate_up_halves (a lane per half super-block, _GU_HALVES) against the first gate/up
     kernel on the flash rows (16 super-blocks): the same integers and the same f32 order, so mid
-    and the MoE output are the same bits. rpb 8 x nw 2: 24 units per warp through the cp.async
-    pipeline of _GU_HALVES_ST."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _GU_HALVES_PF=pf,
-                                      _GU_HALVES_ST=st, _GU_HALVES_REGS=regs, _RPB_GATE_UP=rpb,
+    and the MoE output are the same bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _RPB_GATE_UP=rpb,
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
-@pytest.mark.parametrize("extra", [0, 4, 2])
-def test_moe_gate_up_halves_rows_via_shared_memory(moe_knobs, extra):
-    """_GU_HALVES_ST on experts 16-byte aligned (copied by cp.async) and not (4 and 2 bytes off:
-    read from global memory instead), K 2048 and 4096, against the first gate/up kernel."""
-    for n_embd in (2048, 4096):
-        moe_knobs(**_FIRST_MOE_DECODE)
-        ref = _gate_up_mid(n_embd, 20, 3, 27, extra)
-        moe_knobs(_GU_HALVES=True, _GU_HALVES_ST=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
-        assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 27, extra), ref)
-
-
-@pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840])
-@pytest.mark.parametrize("pf", [False, True])
-def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, pf):
-    """moe_gate_up_halves on rows of 1, 3, 5 and 15 super-blocks (idle lanes, partial chain
-    steps; rows of 198 and 330 bytes start on both word alignments) and n_ff 20 (a partial last
-    block), against the first gate/up kernel bit for bit."""
+@pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
+@pytest.mark.parametrize("extra", [0, 2])
+def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
+    """moe_gate_up_halves on rows of 1, 3, 5, 15 and 16 super-blocks (idle lanes, partial chain
+    steps; rows of 198 and 330 bytes start on both word alignments, and all of them do with the
+    experts 2 bytes off a word) and n_ff 20 (a partial last block), against the first gate/up
+    kernel bit for bit."""
     moe_knobs(**_FIRST_MOE_DECODE)
-    ref = _gate_up_mid(n_embd, 20, 3, 25)
-    moe_knobs(_GU_HALVES=True, _GU_HALVES_PF=pf, _RPB_GATE_UP=4, _NW_GATE_UP=6)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25), ref)
+    ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
+    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
+    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
