@@ -176,6 +176,19 @@ def _small_values(base: str, ne, rng, spec: ModelSpec) -> np.ndarray | None:
     return None
 
 
+# The projections that write a layer's attention and FFN results into the residual streams. They
+# get GPT-2's residual init, std / sqrt(2 n_layer): each layer then moves the streams a little, as
+# in a trained model, instead of replacing them. With unit gain, and every layer the same weights
+# (--alias per-role), the flash preset was an iterated random map: one ulp in one embedding element
+# moved the CPU engine's own logits to corr 0.9958 (a flipped Q8_K rounding or top-6 routing choice
+# changed a whole layer's output), so no two f32 engines could agree to the issue's 0.998.
+BRANCH_OUTPUTS = ("attn_output_b.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
+def branch_gain(spec: ModelSpec) -> float:
+    return 1.0 / np.sqrt(2.0 * spec.n_layer)
+
+
 def _hash_table(rng, n_vocab: int, n_used: int, n_exp: int):
     """Per token, n_used distinct expert ids (row = token id), generated in chunks."""
     for start in range(0, n_vocab, 8192):
@@ -197,6 +210,8 @@ def blob_chunks(t: PlannedTensor, spec: ModelSpec, seed: int):
     n_rows = int(np.prod(t.ne[1:]))
     row_bytes = tensor_nbytes(t.ggml_type, t.ne[:1])
     sigma = 1.0 if base == "token_embd.weight" else 1.0 / np.sqrt(t.ne[0])   # N(0, 1/fan_in)
+    if base in BRANCH_OUTPUTS:
+        sigma *= branch_gain(spec)
     rows_per_chunk = max(1, CHUNK_BYTES // row_bytes)
     for start in range(0, n_rows, rows_per_chunk):
         rows = min(rows_per_chunk, n_rows - start)
