@@ -2182,6 +2182,25 @@ def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):
     return wtype == F.IQ2_XXS and nsteps <= (_nch(K) if const_steps else (NCH or _nch(K)))
 
 
+@_inline
+def _first_unit(rpb, n_ff, n_used, warp):
+    """The gate/up decode blocks' work: block b takes rows b * rpb .. (rpb of them, fewer at the
+    end) of every slot, as units (r - r0) * n_used + k, warp w starting at unit w. Returns the
+    block's unit count and warp w's first (row, slot)."""
+    r0 = cuda.blockIdx.x * rpb
+    return min(rpb, n_ff - r0) * n_used, r0 + warp // n_used, warp % n_used
+
+
+@_inline
+def _next_unit(r, k, nwarps, n_used):
+    """(row, slot) nwarps units further on, without a division per unit."""
+    k += nwarps
+    while k >= n_used:
+        k -= n_used
+        r += 1
+    return r, k
+
+
 def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm=False, repacked=False,
                                PRE=False):
     """NSB > 0 (_CONST_STEPS_GATE_UP): a kernel for rows of exactly NSB super-blocks (the nsb
@@ -2242,11 +2261,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
                     x_reg[8 * u + i] = xq32[_ix(64 * sb + 8 * (lane & 7) + i)] if sb < nsb else int32(0)
         roffs = cuda.local.array(2, int64)
         res = cuda.local.array(2, float32)
-        r0 = cuda.blockIdx.x * rpb
-        n_units = min(rpb, n_ff - r0) * n_used
         nwarps = cuda.blockDim.x >> 5
-        r = r0 + warp // n_used                       # unit = (r - r0) * n_used + k, stepped
-        k = warp % n_used                             # without a division per unit
+        n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
         for unit in range(warp, n_units, nwarps):     # warp-uniform loop
             roffs[0] = slot_off[k * 3] + r * rb
             roffs[1] = slot_off[k * 3 + 1] + r * rb
@@ -2254,10 +2270,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
                     toks, 1, grid_s, ks_s, res)
             if lane == 0:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            k += nwarps
-            while k >= n_used:
-                k -= n_used
-                r += 1
+            r, k = _next_unit(r, k, nwarps, n_used)
 
     return moe_gate_up_decode
 
@@ -2352,11 +2365,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
         shs = cuda.local.array(2, uint32)
         totals = cuda.local.array(2, int32)
         terms = cuda.local.array(2, float32)
-        r0 = cuda.blockIdx.x * rpb
-        n_units = min(rpb, n_ff - r0) * n_used
         nwarps = cuda.blockDim.x >> 5
-        r = r0 + warp // n_used                         # unit = (r - r0) * n_used + k, stepped
-        k = warp % n_used                               # without a division per unit
+        n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
             for m in range(2):                          # gate row, up row: all loads first
                 roffs[m] = slot_off[k * 3 + m] + r * rb
@@ -2392,10 +2402,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
                 res[m] = float32(0.125) * acc
             if lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            k += nwarps
-            while k >= n_used:
-                k -= n_used
-                r += 1
+            r, k = _next_unit(r, k, nwarps, n_used)
 
     return moe_gate_up_halves
 
