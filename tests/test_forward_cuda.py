@@ -60,11 +60,14 @@ def _agree(got, want):
 def _close(got, want):
     """Per position: correlation >= 0.99 and rms <= 12 % of the std. The bar is the spread of
     two independent f32 implementations measured on this model: the CPU engine against the
-    float64 reference (same tokens) has correlation 0.9997-0.9999 at most positions but 0.9946
+    float64 reference (same tokens) had correlation 0.9997-0.9999 at most positions but 0.9946
     (rms 10 % of std, top-1 differs) at position 34, where tie flips change which rows the indexer
-    picks. A wrong kernel, offset or position gives correlations far below (the simulator run of a
-    mis-sized compressor buffer gave NaN; a stale KV row gives < 0.9). The test also asks for a
-    median correlation >= 0.999 over the positions."""
+    picks. Since the synthetic branch outputs have GPT-2's residual init (session 26, synth.py) the
+    spread is smaller: CPU engine vs reference 0.99981-0.99995 (max|Δ|/std 0.044-0.092), GPU vs
+    CPU engine 0.99993-0.99995 at most positions, 0.99776 (rms 6.7 %) at 127 and 0.99879 at 135
+    (H200), the first ratio-128 rows. A wrong kernel, offset or position gives correlations far
+    below (the simulator run of a mis-sized compressor buffer gave NaN; a stale KV row gives < 0.9).
+    The test also asks for a median correlation >= 0.999 over the positions."""
     max_rel, rms_rel, corr, same_top1, same_top5 = _agree(got, want)
     ok = corr >= 0.99 and rms_rel <= 0.12
     return ok, corr, same_top1, (f"max|Δ|/std {max_rel:.2e}, rms|Δ|/std {rms_rel:.2e}, corr {corr:.6f}, "
