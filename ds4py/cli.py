@@ -271,7 +271,7 @@ def default_model_path() -> Path:
     from ds4py import synth
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ds4py"
-    path = cache / "tiny-seed0.gguf"
+    path = cache / f"tiny-seed0-r{synth.RECIPE}.gguf"     # a new recipe builds a new file
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         console.print(f"no model given: building the embedded default (tiny synthetic DS4) into {path}")

@@ -38,6 +38,8 @@ TINY_VALUES = dict(
 )
 
 CHUNK_BYTES = 32 << 20   # generation chunk: bounds the builder's memory
+RECIPE = 2               # the weights' recipe: bumped when a preset's weights change (2: the branch
+                         # outputs' residual init), so a cached default model is rebuilt
 
 
 def preset_spec(preset: str) -> ModelSpec:

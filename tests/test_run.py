@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from ds4py import synth
 from ds4py.generate import Session, generate
 
 N_GEN = 6
@@ -114,7 +115,7 @@ def test_run_default_model_builds_once(tmp_path):
               env_extra={"XDG_CACHE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "embedded default" in r.stderr
-    assert (tmp_path / "ds4py" / "tiny-seed0.gguf").exists()
+    assert (tmp_path / "ds4py" / f"tiny-seed0-r{synth.RECIPE}.gguf").exists()
 
 
 def test_tokenize(tiny_model):
