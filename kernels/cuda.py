@@ -3651,32 +3651,29 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
-    rpb = _RPB_GATE_UP
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
         kernel = _cached(("moe_gu_halves", NSB, pre), lambda: _moe_gate_up_halves_kernel(NSB, pre))
-        kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream)](
-            a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd), _dummy_i32(), NSB,
-            _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid),
-            *_iq2_selector_tables_device())
-        return
-    NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
-    regs = _REGS_GATE_UP
-    NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
-    x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
-    perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
-    repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
-    if repacked and not NSB:
-        raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")
-    pre = _PRE_GATE_UP
-    kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre),
-                     lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre))
-    grid_g, ks_g = _iq2_selector_tables_device() if perm else _iq2_tables()
-    shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
+        tables, shmem = _iq2_selector_tables_device(), 0
+    else:
+        NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
+        regs = _REGS_GATE_UP
+        NSB = n_embd // 256 if _CONST_STEPS_GATE_UP else 0
+        x_regs = _X_REGS_GATE_UP and _gate_up_x_regs(gate_type, n_embd, NCH, NSB > 0)
+        perm = _IQ2_PERM_GATE_UP and gate_type == F.IQ2_XXS
+        repacked = _IQ2_REPACKED_GATE_UP and gate_type == F.IQ2_XXS
+        if repacked and not NSB:
+            raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")
+        pre = _PRE_GATE_UP
+        kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre),
+                         lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre))
+        tables = _iq2_selector_tables_device() if perm else _iq2_tables()
+        shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
+    rpb = _RPB_GATE_UP          # both kernels: the same grid, block and arguments
     kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
         _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
-        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), grid_g, ks_g)
+        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), *tables)
 
 
 def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0, hc=None):
