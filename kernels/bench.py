@@ -693,27 +693,33 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
 def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe):
     """Time bench_moe's decode launches under each variant (a value for each of the kernels.cuda
     knobs `names`), checking that every variant gives the bits of the first (mid and out of one
-    step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP set runs
-    on the arena's gate and up experts rewritten by iq2_xxs_relayout (and back after it)."""
+    step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP
+    (_IQ2_LANES_GATE_UP) set runs on the arena's gate and up experts rewritten by iq2_xxs_relayout
+    (iq2_xxs_lanes_relayout), and back after it."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
     saved = tuple(getattr(CK, n) for n in names)
     n_rows = moe["n_exp"] * moe["n_ff"]
-    repacked = False
+    relayouts = {"repacked": CK.iq2_xxs_relayout, "lanes": CK.iq2_xxs_lanes_relayout}
+    repacked = None                  # the layout the arena's gate/up rows are in (None: the file's)
 
-    def relayout(to_repacked):
+    def relayout(layout, to_repacked):
         for o in (moe["og"], moe["ou"]):
-            CK.iq2_xxs_relayout(moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
+            relayouts[layout](moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
         cuda.synchronize()
 
     first = None
     try:
         for v in variants:
             knobs = dict(zip(names, v))
-            want = bool(knobs.get("_IQ2_REPACKED_GATE_UP", False))
+            want = ("lanes" if knobs.get("_IQ2_LANES_GATE_UP") else
+                    "repacked" if knobs.get("_IQ2_REPACKED_GATE_UP") else None)
             if want != repacked:
-                relayout(want)
+                if repacked:
+                    relayout(repacked, False)
+                if want:
+                    relayout(want, True)
                 repacked = want
             for n, value in knobs.items():
                 setattr(CK, n, value)
@@ -734,7 +740,7 @@ def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
                     f"{'same bits' if same else 'BITS DIFFER'}")
     finally:
         if repacked:
-            relayout(False)
+            relayout(repacked, False)
         for n, value in zip(names, saved):
             setattr(CK, n, value)
         CK._KERNELS.clear()
@@ -816,14 +822,23 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
-    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM)
-    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
-                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP",
+             "_IQ2_LANES_GATE_UP")
+    # ptxas sm_90: 70 registers on the file's rows (4 blocks of 6 warps per SM), 64 on either
+    # relayout's (5 blocks of 6 warps): scales last (iq2_xxs_relayout) and the lanes' pieces
+    # interleaved (iq2_xxs_lanes_relayout: each 16-byte load instruction of a warp reads 512
+    # contiguous bytes, where the file's rows spread a 4-byte load over ~9 lines)
+    variants = [(False, 4, 6, True, False, False), (True, 4, 6, True, False, False),
+                (True, 4, 6, True, True, False), (True, 4, 6, True, False, True),
+                (True, 8, 8, True, False, True), (True, 4, 4, True, False, True),
+                (True, 8, 4, True, False, True), (True, 2, 6, True, False, True),
+                (False, 4, 6, True, False, False), (True, 4, 6, True, False, False),
+                (True, 4, 6, True, False, True)]
 
     def describe(k):
+        layout = "lanes" if k["_IQ2_LANES_GATE_UP"] else ("scales-last" if k["_IQ2_REPACKED_GATE_UP"] else "file")
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])} {layout}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -88,17 +88,20 @@ def _knobs(**kw):
 
 
 def gate_up(n_embd, n_ff, n_used, seed, repacked=False):
+    """repacked: the experts in iq2_xxs_relayout's layout (True or "scales-last") or in
+    iq2_xxs_lanes_relayout's ("lanes"), checked to come back exactly."""
     rng = np.random.default_rng(seed)
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     arena, (og, ou) = _arena([gate, up])
-    if repacked:                  # the experts in iq2_xxs_relayout's layout, and back exactly
+    if repacked:
+        relayout = K.iq2_xxs_lanes_relayout if repacked == "lanes" else K.iq2_xxs_relayout
         before = arena.copy_to_host()
         for o in (og, ou):
-            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
+            relayout(arena, o, n_used * n_ff, n_embd)
         moved = arena.copy_to_host()
         for o in (og, ou):
-            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
+            relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
         assert np.array_equal(arena.copy_to_host(), before), "relayout there and back changed bytes"
         assert not np.array_equal(moved, before)
         arena = cuda.to_device(moved)
@@ -211,7 +214,17 @@ def main():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False)
+    # moe_gate_up_halves on relayout rows (_IQ2_REPACKED_GATE_UP: scales last; _IQ2_LANES_GATE_UP:
+    # the lanes' 16-byte pieces interleaved): 8 and 16 super-blocks, against the file's rows
+    for n_embd in (2048, 4096):
+        _knobs(_GU_HALVES=True, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
+        ref = gate_up(n_embd, 3, 2, 9)
+        for layout in ("scales-last", "lanes"):
+            _knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes")
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 9, repacked=layout), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)
