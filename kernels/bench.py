@@ -823,22 +823,25 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
     names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP",
-             "_IQ2_LANES_GATE_UP")
+             "_IQ2_LANES_GATE_UP", "_GU_HALVES_PF", "_REGS_GU_HALVES")
     # ptxas sm_90: 70 registers on the file's rows (4 blocks of 6 warps per SM), 64 on either
     # relayout's (5 blocks of 6 warps): scales last (iq2_xxs_relayout) and the lanes' pieces
     # interleaved (iq2_xxs_lanes_relayout: each 16-byte load instruction of a warp reads 512
-    # contiguous bytes, where the file's rows spread a 4-byte load over ~9 lines)
-    variants = [(False, 4, 6, True, False, False), (True, 4, 6, True, False, False),
-                (True, 4, 6, True, True, False), (True, 4, 6, True, False, True),
-                (True, 8, 8, True, False, True), (True, 4, 4, True, False, True),
-                (True, 8, 4, True, False, True), (True, 2, 6, True, False, True),
-                (False, 4, 6, True, False, False), (True, 4, 6, True, False, False),
-                (True, 4, 6, True, False, True)]
+    # contiguous bytes, where the file's rows spread a 4-byte load over ~9 lines). Session 27
+    # (H200): lanes 20.9-21.1 us, scales last 20.5, file 21.3-21.6: the loads' L1 traffic is not
+    # what bounds it. Then the next unit ahead: its words in registers (PF 1: 121 registers, or
+    # 80 with small spills) or its lines prefetched into L1 (PF 2: 92 registers on the file's
+    # rows, 72 on the lanes').
+    variants = [(False, 4, 6, True, False, False, 0, 0), (True, 4, 6, True, False, False, 0, 0),
+                (True, 4, 6, True, False, False, 2, 0), (True, 4, 6, True, False, False, 2, 80),
+                (True, 4, 6, True, False, True, 0, 0), (True, 4, 6, True, False, True, 2, 0),
+                (True, 4, 6, True, False, True, 1, 80), (True, 4, 6, True, False, True, 1, 0),
+                (True, 4, 6, True, False, False, 0, 0), (True, 4, 6, True, False, False, 2, 0)]
 
     def describe(k):
         layout = "lanes" if k["_IQ2_LANES_GATE_UP"] else ("scales-last" if k["_IQ2_REPACKED_GATE_UP"] else "file")
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])} {layout}")
+                f"warps {k['_NW_GATE_UP']} {layout} pf {k['_GU_HALVES_PF']} regs {k['_REGS_GU_HALVES'] or '-'}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

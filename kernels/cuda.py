@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, ld_half, ld_pair, ld_quad, prefetch_l1, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
@@ -2147,6 +2147,10 @@ _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_
                                # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
 _IQ2_LANES_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_xxs_lanes_relayout's
                             # layout (moe_gate_up_halves only; a candidate: kbench tune_halves)
+_GU_HALVES_PF = 0      # moe_gate_up_halves: 1 (relayout rows) a warp loads its next unit's words
+                       # while it computes the current one; 2 it prefetches the next unit's lines
+                       # into L1 (candidates: kbench tune_halves)
+_REGS_GU_HALVES = 0    # moe_gate_up_halves' register cap (0: none)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _PRE_GATE_UP = True         # the gate/up decode kernel fills its tables before pdl_enter() (they
@@ -2296,7 +2300,7 @@ def _gate_up_halves_layout():
     return 2 if _IQ2_LANES_GATE_UP else (1 if _IQ2_REPACKED_GATE_UP else 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2323,7 +2327,12 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0):
     LAYOUT 1 (iq2_xxs_relayout: the super-blocks' 64 grid/sign bytes first, the f16 d after them)
     and 2 (iq2_xxs_lanes_relayout: the lanes' 16-byte pieces interleaved, piece c of lane l at
     16 (c 2 NSB + l), d after them, so each of a warp's two 16-byte loads reads 16 NSB contiguous
-    bytes) take the lane's 32 bytes from aligned words: no funnel shift, the same words."""
+    bytes) take the lane's 32 bytes from aligned words: no funnel shift, the same words. PF (with
+    LAYOUT 1 or 2) 1: a warp loads its next unit's words while it computes the current one; 2: it
+    prefetches the next unit's lines into L1 (no registers held)."""
+    assert PF != 1 or LAYOUT > 0
+    NLINES = (66 * NSB + 127) // 128 + 1        # 128-byte lines a row may touch
+    assert 2 * NLINES <= 32
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2353,7 +2362,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0):
                 w[o + 4 * c], w[o + 4 * c + 1], w[o + 4 * c + 2], w[o + 4 * c + 3] = ld_quad(a32, _ix(wi))
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 32 * NSB + sb)])
 
-    @_jit_capped(0)
+    @_jit_capped(max_regs)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2392,10 +2401,26 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0):
         terms = cuda.local.array(2, float32)
         nwarps = cuda.blockDim.x >> 5
         n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
+        w_next = cuda.local.array(NW2, uint32)
+        if PF == 1 and warp < n_units:
+            for m in range(2):
+                load_half(a16, a32, slot_off[k * 3 + m] + r * rb, sb, h, valid, w, m * NWD)
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
-            for m in range(2):                          # gate row, up row: all loads first
-                roffs[m] = slot_off[k * 3 + m] + r * rb
-                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            if PF == 1:                                 # the next unit's loads in flight first
+                r_next, k_next = _next_unit(r, k, nwarps, n_used)
+                if unit + nwarps < n_units:
+                    for m in range(2):
+                        load_half(a16, a32, slot_off[k_next * 3 + m] + r_next * rb, sb, h, valid, w_next, m * NWD)
+            else:
+                if PF == 2:                             # the next unit's lines into L1 (lane i: line i)
+                    r_next, k_next = _next_unit(r, k, nwarps, n_used)
+                    if unit + nwarps < n_units and lane < 2 * NLINES:
+                        m = lane // NLINES
+                        start = slot_off[k_next * 3 + m] + r_next * rb
+                        prefetch_l1(a32, _ix((start + min(128 * (lane - m * NLINES), rb - 1)) >> 2))
+                for m in range(2):                      # gate row, up row: all loads first
+                    roffs[m] = slot_off[k * 3 + m] + r * rb
+                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
@@ -2431,7 +2456,12 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0):
                 res[m] = float32(0.125) * acc
             if lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            r, k = _next_unit(r, k, nwarps, n_used)
+            if PF == 1:
+                for i in range(NW2):
+                    w[i] = w_next[i]
+                r, k = r_next, k_next
+            else:
+                r, k = _next_unit(r, k, nwarps, n_used)
 
     return moe_gate_up_halves
 
@@ -3699,7 +3729,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre, layout = n_embd // 256, _PRE_GATE_UP, _gate_up_halves_layout()
-        kernel = _cached(("moe_gu_halves", NSB, pre, layout), lambda: _moe_gate_up_halves_kernel(NSB, pre, layout))
+        pf, regs = (_GU_HALVES_PF if layout > 0 or _GU_HALVES_PF != 1 else 0), _REGS_GU_HALVES
+        kernel = _cached(("moe_gu_halves", NSB, pre, layout, pf, regs),
+                         lambda: _moe_gate_up_halves_kernel(NSB, pre, layout, pf, regs))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

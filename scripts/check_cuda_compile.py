@@ -107,6 +107,10 @@ quant = {
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, scales-last rows)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 1), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, next unit prefetched, 80 registers)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 1, 80), moe_dec[:-2] + (u32a, u32a), 80),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, file rows, next unit's lines into L1)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 0, 2), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, next unit's lines into L1)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 2), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, scales-last rows, next unit prefetched)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 1, 1), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view

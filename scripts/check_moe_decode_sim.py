@@ -219,12 +219,16 @@ def main():
     for n_embd in (2048, 4096):
         _knobs(_GU_HALVES=True, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
         ref = gate_up(n_embd, 3, 2, 9)
-        for layout in ("scales-last", "lanes"):
-            _knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes")
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 9, repacked=layout), ref))
+        # _GU_HALVES_PF: the next unit's words ahead (1), its lines into L1 (2; a no-op here, the
+        # loop's unit stepping checked)
+        for layout, pf in (("file", 2), ("scales-last", 0), ("lanes", 0), ("lanes", 1), ("lanes", 2)):
+            _knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes",
+                   _GU_HALVES_PF=pf)
+            got = gate_up(n_embd, 3, 2, 9, repacked=layout if layout != "file" else False)
+            ok = all(np.array_equal(a, b) for a, b in zip(got, ref))
             bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows, pf {pf}: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False, _GU_HALVES_PF=0)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)
