@@ -823,7 +823,7 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
     names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP",
-             "_IQ2_LANES_GATE_UP", "_GU_HALVES_PF", "_REGS_GU_HALVES")
+             "_IQ2_LANES_GATE_UP", "_GU_HALVES_PF", "_REGS_GU_HALVES", "_GU_HALVES_XS")
     # ptxas sm_90: 70 registers on the file's rows (4 blocks of 6 warps per SM), 64 on either
     # relayout's (5 blocks of 6 warps): scales last (iq2_xxs_relayout) and the lanes' pieces
     # interleaved (iq2_xxs_lanes_relayout: each 16-byte load instruction of a warp reads 512
@@ -832,16 +832,22 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # what bounds it. Then the next unit ahead: its words in registers (PF 1: 121 registers, or
     # 80 with small spills) or its lines prefetched into L1 (PF 2: 92 registers on the file's
     # rows, 72 on the lanes').
-    variants = [(False, 4, 6, True, False, False, 0, 0), (True, 4, 6, True, False, False, 0, 0),
-                (True, 4, 6, True, False, False, 2, 0), (True, 4, 6, True, False, False, 2, 80),
-                (True, 4, 6, True, False, True, 0, 0), (True, 4, 6, True, False, True, 2, 0),
-                (True, 4, 6, True, False, True, 1, 80), (True, 4, 6, True, False, True, 1, 0),
-                (True, 4, 6, True, False, False, 0, 0), (True, 4, 6, True, False, False, 2, 0)]
+    # Session 27 run 3: lanes PF 2 20.9 us (19.9 with PDL edges), every other one slower than the
+    # file's rows with PF 0 (21.4): hiding the loads' latency buys little. Then x in shared
+    # memory (_GU_HALVES_XS: 56 registers on the file's rows, 6 blocks of 6 warps per SM; 40 on
+    # the lanes', 8 blocks).
+    variants = [(False, 4, 6, True, False, False, 0, 0, False), (True, 4, 6, True, False, False, 0, 0, False),
+                (True, 4, 6, True, False, False, 0, 0, True), (True, 4, 6, True, False, True, 0, 0, True),
+                (True, 4, 6, True, False, True, 2, 0, True), (True, 8, 8, True, False, True, 0, 0, True),
+                (True, 4, 4, True, False, True, 0, 0, True), (True, 4, 8, True, False, True, 0, 0, True),
+                (True, 4, 6, True, False, True, 2, 0, False),
+                (True, 4, 6, True, False, False, 0, 0, False), (True, 4, 6, True, False, True, 0, 0, True)]
 
     def describe(k):
         layout = "lanes" if k["_IQ2_LANES_GATE_UP"] else ("scales-last" if k["_IQ2_REPACKED_GATE_UP"] else "file")
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} {layout} pf {k['_GU_HALVES_PF']} regs {k['_REGS_GU_HALVES'] or '-'}")
+                f"warps {k['_NW_GATE_UP']} {layout} pf {k['_GU_HALVES_PF']} regs {k['_REGS_GU_HALVES'] or '-'}"
+                f"{' x shared' if k['_GU_HALVES_XS'] else ''}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

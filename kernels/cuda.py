@@ -2151,6 +2151,8 @@ _GU_HALVES_PF = 0      # moe_gate_up_halves: 1 (relayout rows) a warp loads its 
                        # while it computes the current one; 2 it prefetches the next unit's lines
                        # into L1 (candidates: kbench tune_halves)
 _REGS_GU_HALVES = 0    # moe_gate_up_halves' register cap (0: none)
+_GU_HALVES_XS = False  # moe_gate_up_halves: x staged in shared memory, not 32 registers per lane
+                       # (a candidate: kbench tune_halves)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _PRE_GATE_UP = True         # the gate/up decode kernel fills its tables before pdl_enter() (they
@@ -2300,7 +2302,7 @@ def _gate_up_halves_layout():
     return 2 if _IQ2_LANES_GATE_UP else (1 if _IQ2_REPACKED_GATE_UP else 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2329,7 +2331,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
     16 (c 2 NSB + l), d after them, so each of a warp's two 16-byte loads reads 16 NSB contiguous
     bytes) take the lane's 32 bytes from aligned words: no funnel shift, the same words. PF (with
     LAYOUT 1 or 2) 1: a warp loads its next unit's words while it computes the current one; 2: it
-    prefetches the next unit's lines into L1 (no registers held)."""
+    prefetches the next unit's lines into L1 (no registers held). XS: x staged in shared memory
+    (lane l's 16-byte piece i at word 4 (32 i + l): a warp's load of one piece is 512 contiguous
+    bytes, no bank conflict) and read per sub-block, instead of 32 registers per lane."""
     assert PF != 1 or LAYOUT > 0
     NLINES = (66 * NSB + 127) // 128 + 1        # 128-byte lines a row may touch
     assert 2 * NLINES <= 32
@@ -2376,6 +2380,11 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         if cuda.threadIdx.x == 0:
             ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
+        xs = cuda.shared.array(1024 if XS else 1, int32)
+        if XS:                                          # word 4 (32 i + l) + j: x word 32 l + 4 i + j
+            for p in range(cuda.threadIdx.x, 1024, cuda.blockDim.x):
+                lx = (p >> 2) & 31
+                xs[p] = xq32[_ix(32 * lx + 4 * (p >> 7) + (p & 3))] if (lx >> 1) < NSB else int32(0)
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2388,8 +2397,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
             xw[i] = int32(0)
         xds = float32(0.0)
         if valid:
-            for i in range(8):
-                xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
+            if not XS:
+                for i in range(8):
+                    xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
             xds = xd[sb]
         pos = ks_s[128]                                 # a register operand (see iq2_permute)
         c32 = float32(clamp)
@@ -2429,6 +2439,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=False, max_regs=0):
                 totals[m] = int32(0)
                 terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
             for s in range(4):
+                if XS:                                  # sub-block s's 8 words: pieces 2 s, 2 s + 1
+                    for c in range(2):
+                        i = 2 * s + c
+                        xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xs, _ix(4 * (32 * i + lane)))
                 for m in range(2):
                     o = m * NWD
                     if LAYOUT == 0:
@@ -3730,8 +3744,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre, layout = n_embd // 256, _PRE_GATE_UP, _gate_up_halves_layout()
         pf, regs = (_GU_HALVES_PF if layout > 0 or _GU_HALVES_PF != 1 else 0), _REGS_GU_HALVES
-        kernel = _cached(("moe_gu_halves", NSB, pre, layout, pf, regs),
-                         lambda: _moe_gate_up_halves_kernel(NSB, pre, layout, pf, regs))
+        kernel = _cached(("moe_gu_halves", NSB, pre, layout, pf, regs, _GU_HALVES_XS),
+                         lambda: _moe_gate_up_halves_kernel(NSB, pre, layout, pf, regs, _GU_HALVES_XS))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

@@ -220,15 +220,18 @@ def main():
         _knobs(_GU_HALVES=True, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
         ref = gate_up(n_embd, 3, 2, 9)
         # _GU_HALVES_PF: the next unit's words ahead (1), its lines into L1 (2; a no-op here, the
-        # loop's unit stepping checked)
-        for layout, pf in (("file", 2), ("scales-last", 0), ("lanes", 0), ("lanes", 1), ("lanes", 2)):
+        # loop's unit stepping checked); _GU_HALVES_XS: x staged in shared memory
+        for layout, pf, xs in (("file", 2, False), ("scales-last", 0, False), ("lanes", 0, False),
+                               ("lanes", 1, False), ("lanes", 2, False), ("file", 0, True), ("lanes", 2, True)):
             _knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes",
-                   _GU_HALVES_PF=pf)
+                   _GU_HALVES_PF=pf, _GU_HALVES_XS=xs)
             got = gate_up(n_embd, 3, 2, 9, repacked=layout if layout != "file" else False)
             ok = all(np.array_equal(a, b) for a, b in zip(got, ref))
             bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows, pf {pf}: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False, _GU_HALVES_PF=0)
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows, pf {pf}{', x shared' if xs else ''}: "
+                  f"K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False, _GU_HALVES_PF=0,
+           _GU_HALVES_XS=False)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)
