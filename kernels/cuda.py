@@ -2380,7 +2380,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         if cuda.threadIdx.x == 0:
             ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
-        xs = cuda.shared.array(1024 if XS else 1, int32)
+        xs = cuda.shared.array(1024 if XS else 1, int32, alignment=16)   # 16-byte loads
         if XS:                                          # word 4 (32 i + l) + j: x word 32 l + 4 i + j
             for p in range(cuda.threadIdx.x, 1024, cuda.blockDim.x):
                 lx = (p >> 2) & 31
