@@ -113,6 +113,8 @@ quant = {
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, x in shared memory)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 0, 0, 0, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, x in shared memory)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 0, 0, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, x in shared memory, lines into L1)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 2, 0, True), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, x in shared memory, next unit's words)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 1, 0, True), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, lanes rows, x in shared memory, next unit's words, 64 registers)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 2, 1, 64, True), moe_dec[:-2] + (u32a, u32a), 64),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, scales-last rows, next unit prefetched)": (lambda: qk._moe_gate_up_halves_kernel(16, True, 1, 1), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
