@@ -693,33 +693,27 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
 def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe):
     """Time bench_moe's decode launches under each variant (a value for each of the kernels.cuda
     knobs `names`), checking that every variant gives the bits of the first (mid and out of one
-    step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP
-    (_IQ2_LANES_GATE_UP) set runs on the arena's gate and up experts rewritten by iq2_xxs_relayout
-    (iq2_xxs_lanes_relayout), and back after it."""
+    step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP set runs
+    on the arena's gate and up experts rewritten by iq2_xxs_relayout (and back after it)."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
     saved = tuple(getattr(CK, n) for n in names)
     n_rows = moe["n_exp"] * moe["n_ff"]
-    relayouts = {"repacked": CK.iq2_xxs_relayout, "lanes": CK.iq2_xxs_lanes_relayout}
-    repacked = None                  # the layout the arena's gate/up rows are in (None: the file's)
+    repacked = False
 
-    def relayout(layout, to_repacked):
+    def relayout(to_repacked):
         for o in (moe["og"], moe["ou"]):
-            relayouts[layout](moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
+            CK.iq2_xxs_relayout(moe["arena"].buf, o, n_rows, moe["n_embd"], to_repacked)
         cuda.synchronize()
 
     first = None
     try:
         for v in variants:
             knobs = dict(zip(names, v))
-            want = ("lanes" if knobs.get("_IQ2_LANES_GATE_UP") else
-                    "repacked" if knobs.get("_IQ2_REPACKED_GATE_UP") else None)
+            want = bool(knobs.get("_IQ2_REPACKED_GATE_UP", False))
             if want != repacked:
-                if repacked:
-                    relayout(repacked, False)
-                if want:
-                    relayout(want, True)
+                relayout(want)
                 repacked = want
             for n, value in knobs.items():
                 setattr(CK, n, value)
@@ -740,7 +734,7 @@ def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
                     f"{'same bits' if same else 'BITS DIFFER'}")
     finally:
         if repacked:
-            relayout(repacked, False)
+            relayout(False)
         for n, value in zip(names, saved):
             setattr(CK, n, value)
         CK._KERNELS.clear()
@@ -822,35 +816,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_IQ2_REPACKED_GATE_UP",
-             "_IQ2_LANES_GATE_UP", "_GU_HALVES_PF", "_REGS_GU_HALVES", "_GU_HALVES_XS")
-    # ptxas sm_90: 70 registers on the file's rows (4 blocks of 6 warps per SM), 64 on either
-    # relayout's (5 blocks of 6 warps): scales last (iq2_xxs_relayout) and the lanes' pieces
-    # interleaved (iq2_xxs_lanes_relayout: each 16-byte load instruction of a warp reads 512
-    # contiguous bytes, where the file's rows spread a 4-byte load over ~9 lines). Session 27
-    # (H200): lanes 20.9-21.1 us, scales last 20.5, file 21.3-21.6: the loads' L1 traffic is not
-    # what bounds it. Then the next unit ahead: its words in registers (PF 1: 121 registers, or
-    # 80 with small spills) or its lines prefetched into L1 (PF 2: 92 registers on the file's
-    # rows, 72 on the lanes').
-    # Session 27 run 3: lanes PF 2 20.9 us (19.9 with PDL edges), every other one slower than the
-    # file's rows with PF 0 (21.4): hiding the loads' latency buys little. Then x in shared
-    # memory (_GU_HALVES_XS: 56 registers on the file's rows, 6 blocks of 6 warps per SM; 40 on
-    # the lanes', 8 blocks).
-    # Run 5: lanes + x shared 20.15 us (19.5 with PDL edges) against 21.2 (20.2): twice the warps
-    # (40 registers) bought 5 %. Then the next unit's words ahead with x shared (78 registers, or
-    # capped at 64), rows / warps per block around it.
-    variants = [(False, 4, 6, True, False, False, 0, 0, False), (True, 4, 6, True, False, False, 0, 0, False),
-                (True, 4, 6, True, False, True, 0, 0, True), (True, 4, 6, True, False, True, 1, 0, True),
-                (True, 4, 6, True, False, True, 1, 64, True), (True, 8, 8, True, False, True, 1, 0, True),
-                (True, 2, 6, True, False, True, 1, 0, True), (True, 8, 4, True, False, True, 1, 0, True),
-                (True, 2, 6, True, False, True, 0, 0, True),
-                (True, 4, 6, True, False, False, 0, 0, False), (True, 4, 6, True, False, True, 1, 0, True)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
+    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM)
+    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
+                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
 
     def describe(k):
-        layout = "lanes" if k["_IQ2_LANES_GATE_UP"] else ("scales-last" if k["_IQ2_REPACKED_GATE_UP"] else "file")
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} {layout} pf {k['_GU_HALVES_PF']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                f"{' x shared' if k['_GU_HALVES_XS'] else ''}")
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

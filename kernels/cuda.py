@@ -33,7 +33,7 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, ld_quad, prefetch_l1, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
                               shr64_lo)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
@@ -2145,14 +2145,6 @@ _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-t
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
 _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_xxs_relayout's layout
                                # (a candidate: kbench tune_moe relayouts its experts; no source writes it)
-_IQ2_LANES_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_xxs_lanes_relayout's
-                            # layout (moe_gate_up_halves only; a candidate: kbench tune_halves)
-_GU_HALVES_PF = 0      # moe_gate_up_halves: 1 (relayout rows) a warp loads its next unit's words
-                       # while it computes the current one; 2 it prefetches the next unit's lines
-                       # into L1 (candidates: kbench tune_halves)
-_REGS_GU_HALVES = 0    # moe_gate_up_halves' register cap (0: none)
-_GU_HALVES_XS = False  # moe_gate_up_halves: x staged in shared memory, not 32 registers per lane
-                       # (a candidate: kbench tune_halves)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _PRE_GATE_UP = True         # the gate/up decode kernel fills its tables before pdl_enter() (they
@@ -2288,21 +2280,13 @@ _GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe
 
 
 def gate_up_halves_applies(wtype, K, xq):
-    """moe_gate_up_halves takes IQ2_XXS rows of 1..16 super-blocks (in the file's layout, or in
-    either relayout) with the activation on a 16-byte boundary (it reads x in 16-byte words);
-    else moe_gate_up_decode."""
-    return (_GU_HALVES and wtype == F.IQ2_XXS and K % 256 == 0
-            and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0
-            and (_gate_up_halves_layout() == 0 or K % 2048 == 0))   # relayouts: 16-byte rows
+    """moe_gate_up_halves takes IQ2_XXS rows of 1..16 super-blocks in the file's layout with the
+    activation on a 16-byte boundary (it reads x in 16-byte words); else moe_gate_up_decode."""
+    return (_GU_HALVES and not _IQ2_REPACKED_GATE_UP and wtype == F.IQ2_XXS and K % 256 == 0
+            and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _gate_up_halves_layout():
-    """The layout moe_gate_up_halves reads its rows in: 0 the file's, 1 iq2_xxs_relayout's
-    (scales last), 2 iq2_xxs_lanes_relayout's."""
-    return 2 if _IQ2_LANES_GATE_UP else (1 if _IQ2_REPACKED_GATE_UP else 0)
-
-
-def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=False):
+def _moe_gate_up_halves_kernel(NSB, PRE=True):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2324,19 +2308,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
     16: q ^ 2, then xor 8: q ^ 1). Here the term of sb sits in lanes 2 sb, 2 sb + 1; the chain
     hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: from 8-lane group g - 1
     to g, g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane
-    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
-
-    LAYOUT 1 (iq2_xxs_relayout: the super-blocks' 64 grid/sign bytes first, the f16 d after them)
-    and 2 (iq2_xxs_lanes_relayout: the lanes' 16-byte pieces interleaved, piece c of lane l at
-    16 (c 2 NSB + l), d after them, so each of a warp's two 16-byte loads reads 16 NSB contiguous
-    bytes) take the lane's 32 bytes from aligned words: no funnel shift, the same words. PF (with
-    LAYOUT 1 or 2) 1: a warp loads its next unit's words while it computes the current one; 2: it
-    prefetches the next unit's lines into L1 (no registers held). XS: x staged in shared memory
-    (lane l's 16-byte piece i at word 4 (32 i + l): a warp's load of one piece is 512 contiguous
-    bytes, no bank conflict) and read per sub-block, instead of 32 registers per lane."""
-    assert PF != 1 or LAYOUT > 0
-    NLINES = (66 * NSB + 127) // 128 + 1        # 128-byte lines a row may touch
-    assert 2 * NLINES <= 32
+    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..)."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2345,28 +2317,18 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
         """w[o:o + 9]: the aligned words covering the lane's 32 bytes, w[o + 9]: d (f16 bits)."""
+        start = roff + 66 * sb + 2 + 32 * h             # bytes: after d, sub-blocks 4 h ..
+        base = start >> 2
         for i in range(NWD):
             w[o + i] = uint32(0)
-        if not valid:
-            return
-        if LAYOUT == 0:
-            start = roff + 66 * sb + 2 + 32 * h         # bytes: after d, sub-blocks 4 h ..
-            base = start >> 2
+        if valid:
             for i in range(8):
                 w[o + i] = a32[_ix(base + i)]
             if start & 2:                               # 2 bytes off a word: one word more
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
-        else:
-            for c in range(2):
-                if LAYOUT == 1:
-                    wi = (roff >> 2) + 16 * sb + 8 * h + 4 * c
-                else:
-                    wi = (roff >> 2) + 4 * (c * 2 * NSB + 2 * sb + h)
-                w[o + 4 * c], w[o + 4 * c + 1], w[o + 4 * c + 2], w[o + 4 * c + 3] = ld_quad(a32, _ix(wi))
-            w[o + 9] = uint32(a16[_ix((roff >> 1) + 32 * NSB + sb)])
 
-    @_jit_capped(max_regs)
+    @_jit_capped(0)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2380,11 +2342,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         if cuda.threadIdx.x == 0:
             ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
-        xs = cuda.shared.array(1024 if XS else 1, int32, alignment=16)   # 16-byte loads
-        if XS:                                          # word 4 (32 i + l) + j: x word 32 l + 4 i + j
-            for p in range(cuda.threadIdx.x, 1024, cuda.blockDim.x):
-                lx = (p >> 2) & 31
-                xs[p] = xq32[_ix(32 * lx + 4 * (p >> 7) + (p & 3))] if (lx >> 1) < NSB else int32(0)
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2397,9 +2354,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
             xw[i] = int32(0)
         xds = float32(0.0)
         if valid:
-            if not XS:
-                for i in range(8):
-                    xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
+            for i in range(8):
+                xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
             xds = xd[sb]
         pos = ks_s[128]                                 # a register operand (see iq2_permute)
         c32 = float32(clamp)
@@ -2411,46 +2367,22 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
         terms = cuda.local.array(2, float32)
         nwarps = cuda.blockDim.x >> 5
         n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
-        w_next = cuda.local.array(NW2, uint32)
-        if PF == 1 and warp < n_units:
-            for m in range(2):
-                load_half(a16, a32, slot_off[k * 3 + m] + r * rb, sb, h, valid, w, m * NWD)
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
-            if PF == 1:                                 # the next unit's loads in flight first
-                r_next, k_next = _next_unit(r, k, nwarps, n_used)
-                if unit + nwarps < n_units:
-                    for m in range(2):
-                        load_half(a16, a32, slot_off[k_next * 3 + m] + r_next * rb, sb, h, valid, w_next, m * NWD)
-            else:
-                if PF == 2:                             # the next unit's lines into L1 (lane i: line i)
-                    r_next, k_next = _next_unit(r, k, nwarps, n_used)
-                    if unit + nwarps < n_units and lane < 2 * NLINES:
-                        m = lane // NLINES
-                        start = slot_off[k_next * 3 + m] + r_next * rb
-                        prefetch_l1(a32, _ix((start + min(128 * (lane - m * NLINES), rb - 1)) >> 2))
-                for m in range(2):                      # gate row, up row: all loads first
-                    roffs[m] = slot_off[k * 3 + m] + r * rb
-                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            for m in range(2):                          # gate row, up row: all loads first
+                roffs[m] = slot_off[k * 3 + m] + r * rb
+                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
-                # the lane's bytes start 2 bytes off a word when roff/2 + sb is even (file layout)
-                shs[m] = uint32(16) if LAYOUT == 0 and ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
+                # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
+                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
                 totals[m] = int32(0)
                 terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
             for s in range(4):
-                if XS:                                  # sub-block s's 8 words: pieces 2 s, 2 s + 1
-                    for c in range(2):
-                        i = 2 * s + c
-                        xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xs, _ix(4 * (32 * i + lane)))
                 for m in range(2):
                     o = m * NWD
-                    if LAYOUT == 0:
-                        aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
-                        aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
-                    else:
-                        aux0 = w[o + 2 * s]
-                        aux1 = w[o + 2 * s + 1]
+                    aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
+                    aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
                         w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))],
@@ -2470,12 +2402,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, LAYOUT=0, PF=0, max_regs=0, XS=Fal
                 res[m] = float32(0.125) * acc
             if lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            if PF == 1:
-                for i in range(NW2):
-                    w[i] = w_next[i]
-                r, k = r_next, k_next
-            else:
-                r, k = _next_unit(r, k, nwarps, n_used)
+            r, k = _next_unit(r, k, nwarps, n_used)
 
     return moe_gate_up_halves
 
@@ -3646,13 +3573,11 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
 
 
 @cuda.jit
-def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, to_repacked, lanes):
+def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, to_repacked):
     """One block per row (grid-stride): the row into shared memory, then each byte to its place.
     The row's blocks are [2-byte f16 scale][payload bytes]. Position t of a repacked row holds:
     t < payload * n_blocks, byte 2 + (t % payload) of block t // payload; else byte (i % 2) of
-    block i // 2's scale, i = t - payload * n_blocks. lanes (IQ2_XXS, moe_gate_up_halves' lanes
-    l = 2 sb + h): t < payload * n_blocks is byte t % 16 of 16-byte piece c = p // (2 n_blocks) of
-    lane l = p % (2 n_blocks), p = t // 16: byte 2 + 32 h + 16 c + t % 16 of block sb."""
+    block i // 2's scale, i = t - payload * n_blocks."""
     pdl_enter()
     row_s = cuda.shared.array(0, uint8)
     for row in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):     # block-uniform
@@ -3661,11 +3586,7 @@ def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, 
             row_s[t] = a8[base + t]
         cuda.syncthreads()
         for t in range(cuda.threadIdx.x, row_bytes, cuda.blockDim.x):
-            if t < payload * n_blocks and lanes:
-                p = t >> 4
-                lane = p % (2 * n_blocks)
-                old = (payload + 2) * (lane >> 1) + 2 + 32 * (lane & 1) + 16 * (p // (2 * n_blocks)) + (t & 15)
-            elif t < payload * n_blocks:
+            if t < payload * n_blocks:
                 old = (payload + 2) * (t // payload) + 2 + t % payload
             else:
                 i = t - payload * n_blocks
@@ -3677,7 +3598,7 @@ def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, 
         cuda.syncthreads()
 
 
-def _scales_last_relayout(arena, ggml_type, off, n_rows, K, to_repacked, stream, lanes=False):
+def _scales_last_relayout(arena, ggml_type, off, n_rows, K, to_repacked, stream):
     """Rewrite n_rows rows of K values at byte offset off (8-byte aligned) in place, into
     (to_repacked) or back out of the scales-last layout: the payload of every block first, so a
     lane's quant bytes are aligned 8-byte loads, then the blocks' f16 scales. A row keeps its size."""
@@ -3690,7 +3611,7 @@ def _scales_last_relayout(arena, ggml_type, off, n_rows, K, to_repacked, stream,
     _, _, a8, _ = _arena_views(arena)
     blocks = max(1, min(n_rows, 4096))
     _scales_last_relayout_kernel[blocks, 256, _stream(stream), row_bytes](
-        a8, off, n_rows, row_bytes, K // block_values, block_bytes - 2, bool(to_repacked), bool(lanes))
+        a8, off, n_rows, row_bytes, K // block_values, block_bytes - 2, bool(to_repacked))
 
 
 def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
@@ -3698,17 +3619,6 @@ def iq2_xxs_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
     super-block's 64 grid/sign bytes first (a lane's sub-block is one 8-byte load), then the
     scales (66 bytes per 256 values, as in the file)."""
     _scales_last_relayout(arena, F.IQ2_XXS, off, n_rows, K, to_repacked, stream)
-
-
-def iq2_xxs_lanes_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
-    """IQ2_XXS rows into (or back out of) the layout that _IQ2_LANES_GATE_UP reads: the
-    grid/sign bytes as moe_gate_up_halves' lanes load them (lane 2 sb + h: its two 16-byte pieces
-    c at 16 (c 2 nsb + l)), then the scales. Rows of 8 or 16 super-blocks on a 16-byte boundary
-    (every piece an aligned 16-byte load)."""
-    if K not in (2048, 4096) or off % 16:
-        raise ValueError(f"IQ2_XXS lanes relayout: rows of 2048 or 4096 values on a 16-byte boundary, got K {K}, "
-                         f"offset {off}")
-    _scales_last_relayout(arena, F.IQ2_XXS, off, n_rows, K, to_repacked, stream, lanes=True)
 
 
 def q8_0_relayout(arena, off, n_rows, K, to_repacked=True, stream=0):
@@ -3742,10 +3652,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
-        NSB, pre, layout = n_embd // 256, _PRE_GATE_UP, _gate_up_halves_layout()
-        pf, regs = (_GU_HALVES_PF if layout > 0 or _GU_HALVES_PF != 1 else 0), _REGS_GU_HALVES
-        kernel = _cached(("moe_gu_halves", NSB, pre, layout, pf, regs, _GU_HALVES_XS),
-                         lambda: _moe_gate_up_halves_kernel(NSB, pre, layout, pf, regs, _GU_HALVES_XS))
+        NSB, pre = n_embd // 256, _PRE_GATE_UP
+        kernel = _cached(("moe_gu_halves", NSB, pre), lambda: _moe_gate_up_halves_kernel(NSB, pre))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

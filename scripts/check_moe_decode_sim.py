@@ -88,20 +88,17 @@ def _knobs(**kw):
 
 
 def gate_up(n_embd, n_ff, n_used, seed, repacked=False):
-    """repacked: the experts in iq2_xxs_relayout's layout (True or "scales-last") or in
-    iq2_xxs_lanes_relayout's ("lanes"), checked to come back exactly."""
     rng = np.random.default_rng(seed)
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     arena, (og, ou) = _arena([gate, up])
-    if repacked:
-        relayout = K.iq2_xxs_lanes_relayout if repacked == "lanes" else K.iq2_xxs_relayout
+    if repacked:                  # the experts in iq2_xxs_relayout's layout, and back exactly
         before = arena.copy_to_host()
         for o in (og, ou):
-            relayout(arena, o, n_used * n_ff, n_embd)
+            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
         moved = arena.copy_to_host()
         for o in (og, ou):
-            relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
+            K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
         assert np.array_equal(arena.copy_to_host(), before), "relayout there and back changed bytes"
         assert not np.array_equal(moved, before)
         arena = cuda.to_device(moved)
@@ -214,24 +211,7 @@ def main():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-    # moe_gate_up_halves on relayout rows (_IQ2_REPACKED_GATE_UP: scales last; _IQ2_LANES_GATE_UP:
-    # the lanes' 16-byte pieces interleaved): 8 and 16 super-blocks, against the file's rows
-    for n_embd in (2048, 4096):
-        _knobs(_GU_HALVES=True, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
-        ref = gate_up(n_embd, 3, 2, 9)
-        # _GU_HALVES_PF: the next unit's words ahead (1), its lines into L1 (2; a no-op here, the
-        # loop's unit stepping checked); _GU_HALVES_XS: x staged in shared memory
-        for layout, pf, xs in (("file", 2, False), ("scales-last", 0, False), ("lanes", 0, False),
-                               ("lanes", 1, False), ("lanes", 2, False), ("file", 0, True), ("lanes", 2, True)):
-            _knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes",
-                   _GU_HALVES_PF=pf, _GU_HALVES_XS=xs)
-            got = gate_up(n_embd, 3, 2, 9, repacked=layout if layout != "file" else False)
-            ok = all(np.array_equal(a, b) for a, b in zip(got, ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves on {layout} rows, pf {pf}{', x shared' if xs else ''}: "
-                  f"K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False, _GU_HALVES_PF=0,
-           _GU_HALVES_XS=False)
+    _knobs(_GU_HALVES=False)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)

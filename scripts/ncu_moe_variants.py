@@ -2,11 +2,11 @@
 kernels.cuda's knobs, each inside its own profiler range, for Nsight Compute (no engine, no model
 file: kbench's random arena). Variants are "NAME=V,NAME=V" strings; "" is the shipped kernels.
 
-    ncu --profile-from-start off --clock-control none --section ComputeWorkloadAnalysis ... \\
-        python3 scripts/ncu_moe_variants.py "" "_IQ2_LANES_GATE_UP=1,_GU_HALVES_XS=1"
+    bash scripts/ncu_moe_variants.sh "" "_GU_HALVES=0" "_GU_HALVES=0,_IQ2_REPACKED_GATE_UP=1"
 
-A knob of a relayout (_IQ2_REPACKED_GATE_UP, _IQ2_LANES_GATE_UP) rewrites the arena's gate and up
-experts first (and back after the variant), as kbench's sweeps do.
+(the .sh beside it runs ncu with stall reasons, pipes and the SASS mix). _IQ2_REPACKED_GATE_UP
+rewrites the arena's gate and up experts by iq2_xxs_relayout first (and back after the variant),
+as kbench's sweeps do.
 """
 import sys
 
@@ -16,7 +16,7 @@ from numba import cuda
 from ds4py.kernels import bench as KB
 from ds4py.kernels import cuda as CK
 
-RELAYOUTS = {"_IQ2_REPACKED_GATE_UP": CK.iq2_xxs_relayout, "_IQ2_LANES_GATE_UP": CK.iq2_xxs_lanes_relayout}
+RELAYOUTS = {"_IQ2_REPACKED_GATE_UP": CK.iq2_xxs_relayout}
 
 
 def parse(variant: str) -> dict:

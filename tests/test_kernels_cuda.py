@@ -461,7 +461,7 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
         return out.copy_to_host()
 
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
-              _IQ2_REPACKED_GATE_UP=False, _GU_HALVES=False)
+              _IQ2_REPACKED_GATE_UP=False)
     want, before = mid(), arena.copy_to_host()
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
@@ -472,42 +472,6 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(mid(), want)
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
-    assert np.array_equal(arena.copy_to_host(), before)
-
-
-@pytest.mark.parametrize("layout", ["scales-last", "lanes"])
-@pytest.mark.parametrize("n_embd", [2048, 4096])
-def test_moe_gate_up_halves_relayout_rows_same_bits(moe_knobs, n_embd, layout):
-    """moe_gate_up_halves on rows that iq2_xxs_relayout (_IQ2_REPACKED_GATE_UP) or
-    iq2_xxs_lanes_relayout (_IQ2_LANES_GATE_UP) rewrote, against the same kernel on the file's
-    rows, bit for bit (8 and 16 super-blocks, n_ff 20: a partial last block); the relayout there
-    and back restores every byte."""
-    rng = _rng(29)
-    n_used, n_ff = 3, 20
-    gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    arena, (og, ou) = _arena([gate, up])
-    stride = gate.shape[1] * gate.shape[2]
-    slot_off = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
-    xq, xd, xbs, _ = _prepare(F.IQ2_XXS, rng.standard_normal((1, n_embd)))
-    rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
-    relayout = K.iq2_xxs_lanes_relayout if layout == "lanes" else K.iq2_xxs_relayout
-
-    def mid():
-        out = cuda.device_array((n_used, n_ff), np.float32)
-        K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, out, bsums=xbs)
-        return out.copy_to_host()
-
-    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6, _IQ2_REPACKED_GATE_UP=False, _IQ2_LANES_GATE_UP=False)
-    want, before = mid(), arena.copy_to_host()
-    for o in (og, ou):
-        relayout(arena, o, n_used * n_ff, n_embd)
-    assert not np.array_equal(arena.copy_to_host(), before)
-    moe_knobs(_IQ2_REPACKED_GATE_UP=layout == "scales-last", _IQ2_LANES_GATE_UP=layout == "lanes")
-    assert K.gate_up_halves_applies(F.IQ2_XXS, n_embd, xq)
-    assert np.array_equal(mid(), want)
-    for o in (og, ou):
-        relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
     assert np.array_equal(arena.copy_to_host(), before)
 
 
