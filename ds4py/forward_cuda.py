@@ -212,10 +212,10 @@ class CudaEngine:
                            f"kernel allows {ops.ATTN_MAX_ROWS}: lower --ctx")
         if s.n_hc > ops.HC_MAX:
             raise Ds4Error(f"n_hc {s.n_hc}: the GPU HC kernels keep at most {ops.HC_MAX} streams in registers")
-        if (s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ or s.idx_dim > ops.ISC_MAX_DIM
+        if (s.n_ihead > ops.ISC_HEADS or s.n_ihead * s.idx_dim > ops.ISC_IQ or s.idx_dim > ops.ISC_DIM
                 or s.idx_dim % ops.ISD_UNROLL):
             raise Ds4Error(f"indexer {s.n_ihead} heads x {s.idx_dim}: the GPU indexer keeps at most "
-                           f"{ops.ISC_HEADS} heads of {ops.ISC_MAX_DIM} dims (a multiple of {ops.ISD_UNROLL}) "
+                           f"{ops.ISC_HEADS} heads of {ops.ISC_DIM} dims (a multiple of {ops.ISD_UNROLL}) "
                            f"and {ops.ISC_IQ} query values in shared memory")
         if s.head_dim > ops.ATTN_MAX_DIM or s.head_dim % 32:
             raise Ds4Error(f"head_dim {s.head_dim}: the GPU attention kernel handles multiples of 32 up to "
@@ -560,13 +560,13 @@ class CudaEngine:
         T = b.T
         # rows: the graph's fixed bound in decode, the rows the chunk's last token sees in prefill
         n_rows = self.max_rows if pos0 is None else max(1, (pos0 + T) // 4)
+        scale = 1.0 / math.sqrt(s.idx_dim * s.n_ihead)
         if T == 1:
-            scores, grid, threads = ops.indexer_scores, (ops.indexer_decode_blocks(n_rows), T), ops.ISD_THREADS
+            ops.indexer_scores[(ops.indexer_decode_blocks(n_rows), T), ops.ISD_THREADS, st](
+                b.iq, b.head_w, scale, layer.icomp, b.pos, s.n_ihead, s.idx_dim, b.scores)
         else:
-            scores, grid, threads = ops.indexer_scores_rows, (ops.indexer_score_blocks(n_rows), T), 32 * ops.ISC_WARPS
-        scores[grid, threads, st](
-            b.iq, b.head_w, 1.0 / math.sqrt(s.idx_dim * s.n_ihead), layer.icomp, b.pos,
-            s.n_ihead, s.idx_dim, b.scores)
+            ops.indexer_scores_rows[ops.indexer_score_grid(n_rows, T), ops.ISC_THREADS, st](
+                b.iq, b.head_w, scale, layer.icomp, b.pos, s.n_ihead, s.idx_dim, T, b.scores)
         ops.indexer_select[(1, T), BLOCK, st](memo_view(b.scores, "u32", lambda a: a.view(np.uint32)), b.pos, s.idx_topk,
                                               b.selected, b.n_selected)
 

@@ -31,8 +31,8 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
 from ds4py.kernels.disk_cache import cached_jit
-from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, mma_f16_acc,
-                                           mul_rn, pack_f16x2, pdl_enter, split_f16x2)
+from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, ld_quad,
+                                           mma_f16_acc, mul_rn, pack_f16x2, pdl_enter, split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -48,6 +48,8 @@ FP4_MAX = 6.0
 
 # Warp shuffles exist on the GPU only; the simulator takes the shared-memory paths instead.
 USE_SHUFFLES = not numba_config.ENABLE_CUDASIM
+ALIGN16 = None if numba_config.ENABLE_CUDASIM else 16   # shared arrays read by 16-byte loads (the
+                                                        # simulator refuses an alignment)
 
 
 def jit_for_threads(threads: int):
@@ -1230,8 +1232,15 @@ def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
     hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
 
 
-ISC_WARPS = 2                 # warps per indexer_scores_rows block, 32 compressed rows each
-ISC_ROWS = 32 * ISC_WARPS     # rows per block
+ISC_TOKENS = 32               # tokens per indexer_scores_rows (prefill) block
+ISC_ROWS = 32                 # compressed rows per indexer_scores_rows block
+ISC_SUB = 4                   # a thread's scores: ISC_SUB tokens x ISC_SUB rows
+ISC_THREADS = (ISC_TOKENS // ISC_SUB) * (ISC_ROWS // ISC_SUB)
+ISC_DIM = 128                 # largest idx_dim of indexer_scores_rows (its tiles in shared memory)
+ISC_PAD = 4                   # shared tiles' row stride ISC_ROWS + 4: 16-byte loads, 4-way stores
+ISC_ROWS_TILE = ISC_DIM * (ISC_ROWS + ISC_PAD)       # the block's rows, dim-major
+ISC_Q_TILE = ISC_DIM * (ISC_TOKENS + ISC_PAD)        # one head's queries of the block's tokens
+ISC_TILE = ISC_SUB * ISC_SUB                         # a thread's scores
 ISC_HEADS = 64                # most indexer heads (ds4: 64)
 ISC_IQ = 64 * 128             # most n_ihead·idx_dim values of a token's queries in shared memory
 ISC_MAX_DIM = 512             # largest idx_dim
@@ -1356,59 +1365,102 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
         scores_all[t, c] = _heads_total(terms[tid], w_s, n_ihead)
 
 
-def indexer_score_blocks(n_rows: int) -> int:
-    """Blocks of indexer_scores_rows for n_rows rows."""
-    return (n_rows + ISC_ROWS - 1) // ISC_ROWS
+def indexer_score_grid(n_rows: int, n_tok: int) -> tuple:
+    """Blocks of indexer_scores_rows for n_rows rows and n_tok tokens."""
+    return (n_rows + ISC_ROWS - 1) // ISC_ROWS, (n_tok + ISC_TOKENS - 1) // ISC_TOKENS
 
 
 @cached_jit()
-def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, scores_all):
-    """Prefill form: block (ISC_ROWS rows, token t), a thread per row. The token's queries sit in
-    shared memory (every lane reads the same query value: a broadcast); each warp stages its 32
-    rows 32 dims at a time, coalesced, and a lane keeps its row's 32 values in registers for all
-    heads. (indexer_scores over a chunk, a thread per head reading the queries 128 floats apart,
-    took most of a 512-token prefill chunk once the indexer selects: prefill 2k -> 4k fell from
-    1,142 to 544 tok/s on the H200; with this kernel 707.)"""
+def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, n_tok, scores_all):
+    """Prefill form: block (ISC_ROWS rows, ISC_TOKENS tokens) of ISC_THREADS threads, a thread
+    per ISC_SUB x ISC_SUB (token, row) scores, register-tiled as a matmul: per head, the block
+    stages the tokens' queries dim-major beside its rows (staged once for all heads), and per dim a
+    thread reads its 4 queries and 4 rows with two 16-byte loads for 16 FMAs. Each score's dots
+    still run over the dims in order and its heads in order, in the expression forms of the decode
+    kernel (dot += q·row, total += w·dot): the same bits. (A thread per row with the token's
+    queries broadcast from shared memory, one shared load per FMA, took 6.46 ms per layer of a
+    512-token chunk at 14k tokens on the H200, 39 % of the chunk's kernel time.) idx_dim <=
+    ISC_DIM and a multiple of 4 (the engine checks)."""
     pdl_enter()
-    t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    n_rows = (pos_buf[t] + 1) // 4
+    t0 = cuda.blockIdx.y * ISC_TOKENS
     first = cuda.blockIdx.x * ISC_ROWS
-    if first >= n_rows:                          # block-uniform
-        return
-    iq_s = cuda.shared.array(ISC_IQ, float32)
-    w_s = cuda.shared.array(ISC_HEADS, float32)
-    tile = cuda.shared.array((ISC_WARPS, 32, 33), float32)     # 33: the transposed read is conflict-free
-    iq = iq_all[t]
-    for k in range(tid, n_ihead * idx_dim, cuda.blockDim.x):
-        iq_s[k] = iq[k]
-    if tid < n_ihead:
-        w_s[tid] = head_w_all[t, tid] * float32(weight_scale)
+    RS = ISC_ROWS + ISC_PAD
+    QS = ISC_TOKENS + ISC_PAD
+    rows_s = cuda.shared.array(ISC_ROWS_TILE, float32, alignment=ALIGN16)    # [dim][row]
+    q_s = cuda.shared.array(ISC_Q_TILE, float32, alignment=ALIGN16)          # [dim][token]
+    w_s = cuda.shared.array(ISC_TOKENS, float32)
+    most = cuda.shared.array(1, int32)
+    if tid == 0:                                 # rows the block's last-emitting token sees
+        seen = 0
+        for tt in range(ISC_TOKENS):
+            if t0 + tt < n_tok:
+                seen = max(seen, (pos_buf[t0 + tt] + 1) // 4)
+        most[0] = seen
     cuda.syncthreads()
-    row0 = first + warp * 32
-    acc = cuda.local.array(ISC_HEADS, float32)
+    if first >= most[0]:                         # block-uniform
+        return
+    cap = icache.shape[0]
+    for r in range(ISC_ROWS):                    # coalesced along the dims
+        c = first + r
+        for i in range(tid, idx_dim, ISC_THREADS):
+            rows_s[i * RS + r] = icache[c, i] if c < cap else float32(0.0)
+    tg = tid // (ISC_ROWS // ISC_SUB)            # tokens 4 tg .. 4 tg + 3 of the block
+    rg = tid - tg * (ISC_ROWS // ISC_SUB)        # rows 4 rg .. 4 rg + 3
+    dots = cuda.local.array(ISC_TILE, float32)
+    totals = cuda.local.array(ISC_TILE, float32)
+    for k in range(ISC_TILE):
+        totals[k] = float32(0.0)
     for h in range(n_ihead):
-        acc[h] = float32(0.0)
-    vals = cuda.local.array(32, float32)
-    for i0 in range(0, idx_dim, 32):
-        for r in range(32):
-            rr = row0 + r
-            tile[warp, r, lane] = icache[rr, i0 + lane] if rr < n_rows else float32(0.0)
-        cuda.syncthreads()                       # (syncwarp would do; the simulator lacks it)
-        for j in range(32):
-            vals[j] = tile[warp, lane, j]
+        cuda.syncthreads()                       # the previous head's queries are read
+        base = h * idx_dim
+        for tt in range(ISC_TOKENS):
+            t = t0 + tt
+            for i in range(tid, idx_dim, ISC_THREADS):
+                q_s[i * QS + tt] = iq_all[t, base + i] if t < n_tok else float32(0.0)
+        if tid < ISC_TOKENS:
+            t = t0 + tid
+            w_s[tid] = head_w_all[t, h] * float32(weight_scale) if t < n_tok else float32(0.0)
         cuda.syncthreads()
-        for h in range(n_ihead):
-            base = h * idx_dim + i0
-            dot = acc[h]
-            for j in range(32):
-                dot += vals[j] * iq_s[base + j]
-            acc[h] = dot
-    c = row0 + lane
-    if c < n_rows:
-        scores_all[t, c] = _heads_total(acc, w_s, n_ihead)
+        for k in range(ISC_TILE):
+            dots[k] = float32(0.0)
+        at_q = uint32(4 * tg)
+        at_row = uint32(4 * rg)
+        for _ in range(idx_dim):
+            q0, q1, q2, q3 = ld_quad(q_s, at_q)
+            r0, r1, r2, r3 = ld_quad(rows_s, at_row)
+            dots[0] += q0 * r0
+            dots[1] += q0 * r1
+            dots[2] += q0 * r2
+            dots[3] += q0 * r3
+            dots[4] += q1 * r0
+            dots[5] += q1 * r1
+            dots[6] += q1 * r2
+            dots[7] += q1 * r3
+            dots[8] += q2 * r0
+            dots[9] += q2 * r1
+            dots[10] += q2 * r2
+            dots[11] += q2 * r3
+            dots[12] += q3 * r0
+            dots[13] += q3 * r1
+            dots[14] += q3 * r2
+            dots[15] += q3 * r3
+            at_q += uint32(QS)
+            at_row += uint32(RS)
+        for a in range(ISC_SUB):                 # this head's terms, as _heads_total adds them
+            w = w_s[ISC_SUB * tg + a]
+            for b in range(ISC_SUB):
+                d = dots[ISC_SUB * a + b]
+                if d > float32(0.0):
+                    totals[ISC_SUB * a + b] += w * d
+    for a in range(ISC_SUB):
+        t = t0 + ISC_SUB * tg + a
+        if t < n_tok:
+            n_rows = (pos_buf[t] + 1) // 4
+            for b in range(ISC_SUB):
+                c = first + ISC_SUB * rg + b
+                if c < n_rows:
+                    scores_all[t, c] = totals[ISC_SUB * a + b]
 
 
 @cuda.jit(device=True)

@@ -37,7 +37,7 @@ sigs = {
  "compressor_chunk_carry": (f32a2, f32a2, i64, i64, i64, f32a2, f32a2),
  "indexer_q": (f32a2, i64, i64, i32a, f32a),
  "indexer_scores": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
- "indexer_scores_rows": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
+ "indexer_scores_rows": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, i64, f32a2),
  "indexer_select": (u32a2, i32a, i64, i32a2, i32a),
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
  "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),

@@ -287,15 +287,22 @@ def check_indexer_select():
                     raise SystemExit(1)
 
 
-def check_indexer_scores():
-    """Both forms (decode: ISD_ROWS rows per block, a thread per (row, head); prefill: a thread per
-    row, 64-row blocks) against the reference, and against each other bit for bit (the same dims
-    and heads order): a small indexer, and ds4's 64 heads x 128 dims."""
-    check_indexer_scores_shape(4, 64, 80, [39, 30, 300])      # 10, 7, 75 rows emitted (two blocks)
-    check_indexer_scores_shape(64, 128, 12, [41, 3])          # 10, 0 rows
+def check_indexer_scores(slow):
+    """Both forms (decode: ISD_ROWS rows per block, a thread per (row, head); prefill: 4 x 4 scores
+    a thread in blocks of ISC_TOKENS tokens x ISC_ROWS rows) against the reference, and against
+    each other bit for bit (the same dims and heads order): a small indexer, ds4's 64 heads x 128
+    dims, and a chunk of 37 consecutive positions (two token blocks, the second partial; rows in
+    three row blocks, each token seeing its own count). ds4's shape takes ~3 minutes in the
+    simulator (64 threads x 16 scores x 64 heads x 128 dims in Python): slow only."""
+    check_indexer_scores_shape(4, 64, 80, [39, 30, 300])      # 10, 7, 75 rows emitted (three blocks)
+    check_indexer_scores_shape(2, 32, 90, list(range(300, 337)), [0, 31, 32, 36])   # 75 .. 84 rows
+    if slow:
+        check_indexer_scores_shape(64, 128, 12, [41, 3])      # 10, 0 rows
 
 
-def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions):
+def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions, decode_tokens=None):
+    """decode_tokens: the tokens the decode form runs for (all by default; a few of a long chunk,
+    whose every token would take the simulator minutes)."""
     positions = np.array(positions, np.int32)         # rows past (pos + 1) // 4 stay untouched
     n_tok = len(positions)
     iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
@@ -305,17 +312,21 @@ def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions):
     args = (cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
             cuda.to_device(positions), n_ihead, idx_dim)
     by_row = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
-    by_head = cuda.to_device(np.full((n_tok, cap), -7.0, np.float32))
-    ops.indexer_scores_rows[(ops.indexer_score_blocks(cap), n_tok), 32 * ops.ISC_WARPS](*args, by_row)
-    ops.indexer_scores[(ops.indexer_decode_blocks(cap), n_tok), ops.ISD_THREADS](*args, by_head)
+    ops.indexer_scores_rows[ops.indexer_score_grid(cap, n_tok), ops.ISC_THREADS](*args, n_tok, by_row)
+    dec = np.arange(n_tok) if decode_tokens is None else np.array(decode_tokens)
+    by_head = cuda.to_device(np.full((len(dec), cap), -7.0, np.float32))
+    ops.indexer_scores[(ops.indexer_decode_blocks(cap), len(dec)), ops.ISD_THREADS](
+        cuda.to_device(iq[dec]), cuda.to_device(head_w[dec]), scale, cuda.to_device(icache),
+        cuda.to_device(positions[dec]), n_ihead, idx_dim, by_head)
     got, got_head = by_row.copy_to_host(), by_head.copy_to_host()
     for t, pos in enumerate(positions):
         n = (pos + 1) // 4
         want = np.maximum(icache[:n].astype(np.float64) @ iq[t].reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w[t] * scale)
         close(f"indexer_scores [T={n_tok} t={t}]", got[t, :n], want, 1e-5)
         assert np.all(got[t, n:] == -7.0), "indexer_scores_rows wrote rows that were not emitted"
-        assert np.all(got_head[t, n:] == -7.0), "indexer_scores wrote rows that were not emitted"
-    same = np.array_equal(got.view(np.uint32), got_head.view(np.uint32))
+    for k, t in enumerate(dec):
+        assert np.all(got_head[k, (positions[t] + 1) // 4:] == -7.0), "indexer_scores wrote rows that were not emitted"
+    same = np.array_equal(got[dec].view(np.uint32), got_head.view(np.uint32))
     print(f"{'ok ' if same else 'BAD'} indexer_scores (decode) == indexer_scores_rows (prefill) bit for bit "
           f"({n_ihead} heads x {idx_dim})")
     if not same:
@@ -545,7 +556,7 @@ if __name__ == "__main__":
         check_attention_mma()
     print(f"   ({time.time() - t0:.0f} s)")
     check_indexer_select()
-    check_indexer_scores()
+    check_indexer_scores(slow)
     check_route()
     check_group_tiles()
     print("all cuda_ops simulator checks passed")
