@@ -42,6 +42,7 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   copies only: a block barrier must follow before other threads read them).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
+  Both take a flat element index, so s may be a C-contiguous array of any rank.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
@@ -191,10 +192,15 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def cp_async4_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
 
+    def _flat(s):
+        return s.reshape(-1) if s.ndim > 1 else s
+
     def ld_pair(s, i):
+        s = _flat(s)
         return s[int(i)], s[int(i) + 1]
 
     def ld_quad(s, i):
+        s = _flat(s)
         return tuple(s[int(i) + k] for k in range(4))
 
     def ld_half(s, i):

@@ -1232,14 +1232,18 @@ def indexer_q(iq_all, idx_dim, n_rot, pos_buf, freqs):
     hadamard_fp4(iq, head * idx_dim, idx_dim, scratch32)
 
 
-ISC_TOKENS = 32               # tokens per indexer_scores_rows (prefill) block
-ISC_ROWS = 32                 # compressed rows per indexer_scores_rows block
+ISC_ROWS = 32                 # compressed rows per indexer_scores_rows (prefill) block
 ISC_SUB = 4                   # a thread's scores: ISC_SUB tokens x ISC_SUB rows
-ISC_THREADS = (ISC_TOKENS // ISC_SUB) * (ISC_ROWS // ISC_SUB)
+ISC_WARP_TOKENS = 32 // (ISC_ROWS // ISC_SUB) * ISC_SUB   # a warp's tokens (16: all rows each)
+ISC_WARPS = 2                 # warps per block
+ISC_TOKENS = ISC_WARPS * ISC_WARP_TOKENS                  # tokens per block
+ISC_THREADS = 32 * ISC_WARPS
 ISC_DIM = 128                 # largest idx_dim of indexer_scores_rows (its tiles in shared memory)
-ISC_PAD = 4                   # shared tiles' row stride ISC_ROWS + 4: 16-byte loads, 4-way stores
-ISC_ROWS_TILE = ISC_DIM * (ISC_ROWS + ISC_PAD)       # the block's rows, dim-major
-ISC_Q_TILE = ISC_DIM * (ISC_TOKENS + ISC_PAD)        # one head's queries of the block's tokens
+ISC_PAD = 4                   # the tiles' strides (rows + 4, tokens + 4): 16-byte aligned loads
+ISC_RS = ISC_ROWS + ISC_PAD
+ISC_QS = ISC_WARP_TOKENS + ISC_PAD
+ISC_ROWS_TILE = ISC_DIM * ISC_RS                     # the block's rows, dim-major
+ISC_Q_TILE = ISC_WARPS * ISC_DIM * ISC_QS            # per warp: one head's queries of its tokens
 ISC_TILE = ISC_SUB * ISC_SUB                         # a thread's scores
 ISC_HEADS = 64                # most indexer heads (ds4: 64)
 ISC_IQ = 64 * 128             # most n_ihead·idx_dim values of a token's queries in shared memory
@@ -1370,26 +1374,34 @@ def indexer_score_grid(n_rows: int, n_tok: int) -> tuple:
     return (n_rows + ISC_ROWS - 1) // ISC_ROWS, (n_tok + ISC_TOKENS - 1) // ISC_TOKENS
 
 
+@cuda.jit(device=True)
+def _warp_sync():
+    if USE_SHUFFLES:
+        cuda.syncwarp()
+    else:                                        # the simulator has no syncwarp; all threads call
+        cuda.syncthreads()
+
+
 @cached_jit()
 def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, idx_dim, n_tok, scores_all):
-    """Prefill form: block (ISC_ROWS rows, ISC_TOKENS tokens) of ISC_THREADS threads, a thread
-    per ISC_SUB x ISC_SUB (token, row) scores, register-tiled as a matmul: per head, the block
-    stages the tokens' queries dim-major beside its rows (staged once for all heads), and per dim a
-    thread reads its 4 queries and 4 rows with two 16-byte loads for 16 FMAs. Each score's dots
-    still run over the dims in order and its heads in order, in the expression forms of the decode
-    kernel (dot += q·row, total += w·dot): the same bits. (A thread per row with the token's
-    queries broadcast from shared memory, one shared load per FMA, took 6.46 ms per layer of a
-    512-token chunk at 14k tokens on the H200, 39 % of the chunk's kernel time.) idx_dim <=
-    ISC_DIM and a multiple of 4 (the engine checks)."""
+    """Prefill form: block (ISC_ROWS rows, ISC_TOKENS tokens) of ISC_WARPS warps, a thread per
+    ISC_SUB x ISC_SUB (token, row) scores, register-tiled as a matmul: the block stages its rows
+    dim-major once for all heads; per head, each warp stages its own ISC_WARP_TOKENS tokens'
+    queries dim-major (16-byte loads, a lane per token: conflict-free stores; warps never wait on
+    each other), and per dim a thread reads its 4 queries and 4 rows with two 16-byte loads for 16
+    FMAs. Each score's dots still run over the dims in order and its heads in order, in the
+    expression forms of the decode kernel (dot += q·row, total += w·dot): the same bits. (A thread
+    per row with the token's queries broadcast from shared memory, one shared load per FMA, took
+    6.46 ms per layer of a 512-token chunk at 14k tokens on the H200, 39 % of the chunk's kernel
+    time.) iq_all C-contiguous; idx_dim <= ISC_DIM and a multiple of 8 (the engine checks)."""
     pdl_enter()
     tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid - 32 * warp
     t0 = cuda.blockIdx.y * ISC_TOKENS
     first = cuda.blockIdx.x * ISC_ROWS
-    RS = ISC_ROWS + ISC_PAD
-    QS = ISC_TOKENS + ISC_PAD
     rows_s = cuda.shared.array(ISC_ROWS_TILE, float32, alignment=ALIGN16)    # [dim][row]
-    q_s = cuda.shared.array(ISC_Q_TILE, float32, alignment=ALIGN16)          # [dim][token]
-    w_s = cuda.shared.array(ISC_TOKENS, float32)
+    q_s = cuda.shared.array(ISC_Q_TILE, float32, alignment=ALIGN16)          # [warp][dim][token]
     most = cuda.shared.array(1, int32)
     if tid == 0:                                 # rows the block's last-emitting token sees
         seen = 0
@@ -1401,31 +1413,46 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
     if first >= most[0]:                         # block-uniform
         return
     cap = icache.shape[0]
-    for r in range(ISC_ROWS):                    # coalesced along the dims
+    for i0 in range(0, idx_dim, ISC_THREADS // ISC_ROWS):   # a thread per row: conflict-free stores
+        i = i0 + tid // ISC_ROWS
+        r = tid % ISC_ROWS
         c = first + r
-        for i in range(tid, idx_dim, ISC_THREADS):
-            rows_s[i * RS + r] = icache[c, i] if c < cap else float32(0.0)
-    tg = tid // (ISC_ROWS // ISC_SUB)            # tokens 4 tg .. 4 tg + 3 of the block
-    rg = tid - tg * (ISC_ROWS // ISC_SUB)        # rows 4 rg .. 4 rg + 3
+        if i < idx_dim:
+            rows_s[i * ISC_RS + r] = icache[c, i] if c < cap else float32(0.0)
+    cuda.syncthreads()
+    tg = lane // (ISC_ROWS // ISC_SUB)           # the warp's tokens 4 tg .. 4 tg + 3
+    rg = lane - tg * (ISC_ROWS // ISC_SUB)       # rows 4 rg .. 4 rg + 3
+    wt0 = t0 + warp * ISC_WARP_TOKENS            # the warp's first token
+    q_w = warp * (ISC_DIM * ISC_QS)
+    row_len = iq_all.shape[1]
+    st_tok = lane % ISC_WARP_TOKENS              # staging: lane (quad half, token)
+    st_t = wt0 + st_tok
     dots = cuda.local.array(ISC_TILE, float32)
     totals = cuda.local.array(ISC_TILE, float32)
+    w = cuda.local.array(ISC_SUB, float32)
     for k in range(ISC_TILE):
         totals[k] = float32(0.0)
     for h in range(n_ihead):
-        cuda.syncthreads()                       # the previous head's queries are read
-        base = h * idx_dim
-        for tt in range(ISC_TOKENS):
-            t = t0 + tt
-            for i in range(tid, idx_dim, ISC_THREADS):
-                q_s[i * QS + tt] = iq_all[t, base + i] if t < n_tok else float32(0.0)
-        if tid < ISC_TOKENS:
-            t = t0 + tid
-            w_s[tid] = head_w_all[t, h] * float32(weight_scale) if t < n_tok else float32(0.0)
-        cuda.syncthreads()
+        _warp_sync()                             # the warp's reads of the previous head are done
+        src = st_t * row_len + h * idx_dim
+        for q4 in range(lane // ISC_WARP_TOKENS, idx_dim // 4, 32 // ISC_WARP_TOKENS):
+            if st_t < n_tok:
+                v0, v1, v2, v3 = ld_quad(iq_all, src + 4 * q4)
+            else:
+                v0 = v1 = v2 = v3 = float32(0.0)
+            at = q_w + 4 * q4 * ISC_QS + st_tok
+            q_s[at] = v0
+            q_s[at + ISC_QS] = v1
+            q_s[at + 2 * ISC_QS] = v2
+            q_s[at + 3 * ISC_QS] = v3
+        for a in range(ISC_SUB):
+            t = wt0 + ISC_SUB * tg + a
+            w[a] = head_w_all[t, h] * float32(weight_scale) if t < n_tok else float32(0.0)
+        _warp_sync()
         for k in range(ISC_TILE):
             dots[k] = float32(0.0)
-        at_q = uint32(4 * tg)
-        at_row = uint32(4 * rg)
+        at_q = uint32(q_w + ISC_SUB * tg)
+        at_row = uint32(ISC_SUB * rg)
         for _ in range(idx_dim):
             q0, q1, q2, q3 = ld_quad(q_s, at_q)
             r0, r1, r2, r3 = ld_quad(rows_s, at_row)
@@ -1445,16 +1472,15 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
             dots[13] += q3 * r1
             dots[14] += q3 * r2
             dots[15] += q3 * r3
-            at_q += uint32(QS)
-            at_row += uint32(RS)
+            at_q += uint32(ISC_QS)
+            at_row += uint32(ISC_RS)
         for a in range(ISC_SUB):                 # this head's terms, as _heads_total adds them
-            w = w_s[ISC_SUB * tg + a]
             for b in range(ISC_SUB):
                 d = dots[ISC_SUB * a + b]
                 if d > float32(0.0):
-                    totals[ISC_SUB * a + b] += w * d
+                    totals[ISC_SUB * a + b] += w[a] * d
     for a in range(ISC_SUB):
-        t = t0 + ISC_SUB * tg + a
+        t = wt0 + ISC_SUB * tg + a
         if t < n_tok:
             n_rows = (pos_buf[t] + 1) // 4
             for b in range(ISC_SUB):
