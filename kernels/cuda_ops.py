@@ -52,6 +52,16 @@ ALIGN16 = None if numba_config.ENABLE_CUDASIM else 16   # shared arrays read by 
                                                         # simulator refuses an alignment)
 
 
+@cuda.jit(device=True)
+def _warp_sync():
+    """The warp's threads meet (the simulator has no syncwarp: there the block's threads, which
+    must then all call it)."""
+    if USE_SHUFFLES:
+        cuda.syncwarp(0xFFFFFFFF)
+    else:
+        cuda.syncthreads()
+
+
 def jit_for_threads(threads: int):
     """cuda.jit for a kernel launched with `threads` threads per block: they must share the SM's
     64K registers (a 512-thread block may use 128 each, a 1024-thread block 64), or the launch fails
@@ -1247,7 +1257,7 @@ ISC_Q_TILE = ISC_WARPS * ISC_DIM * ISC_QS            # per warp: one head's quer
 ISC_TILE = ISC_SUB * ISC_SUB                         # a thread's scores
 ISC_HEADS = 64                # most indexer heads (ds4: 64)
 ISC_IQ = 64 * 128             # most n_ihead·idx_dim values of a token's queries in shared memory
-ISC_MAX_DIM = 512             # largest idx_dim
+ISC_MAX_DIM = 512             # largest idx_dim of the decode kernel (the engine allows ISC_DIM)
 
 # Both indexer score kernels compute score_c = Σ_h w_h·scale·max(0, icomp_c · iq_h) with the dims
 # added in order and the heads added in order (the CPU twin's order), so decode and prefill give
@@ -1372,14 +1382,6 @@ def indexer_scores(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihead, i
 def indexer_score_grid(n_rows: int, n_tok: int) -> tuple:
     """Blocks of indexer_scores_rows for n_rows rows and n_tok tokens."""
     return (n_rows + ISC_ROWS - 1) // ISC_ROWS, (n_tok + ISC_TOKENS - 1) // ISC_TOKENS
-
-
-@cuda.jit(device=True)
-def _warp_sync():
-    if USE_SHUFFLES:
-        cuda.syncwarp()
-    else:                                        # the simulator has no syncwarp; all threads call
-        cuda.syncthreads()
 
 
 @cached_jit()
@@ -2492,10 +2494,7 @@ def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash
             if tid == 0:
                 taken[k] = winner
                 keys[winner] = float32(-3.4e38)
-            if USE_SHUFFLES:
-                cuda.syncwarp(0xFFFFFFFF)
-            else:
-                cuda.syncthreads()
+            _warp_sync()
     cuda.syncthreads()
     # Thread k writes slot k, each thread adding the same total in the same order: one thread
     # writing every slot reloaded base_offsets after each store it might alias, a chain of global
