@@ -1282,13 +1282,20 @@ def indexer_decode_blocks(n_rows: int) -> int:
 
 
 @cuda.jit(device=True)
+def _add_head(total, w, dot):
+    """total + w·dot when the head's dot is positive: the one place both score kernels add a head
+    (its expression form, a product feeding an add, is what they must share)."""
+    if dot > float32(0.0):
+        total += w * dot
+    return total
+
+
+@cuda.jit(device=True)
 def _heads_total(dots, w_s, n_ihead):
-    """score = Σ_h w_s[h]·dots[h] over the heads with a positive dot, in head order: the one
-    place both score kernels add their heads (its expression form is what they must share)."""
+    """score = Σ_h w_s[h]·dots[h] over the heads with a positive dot, in head order."""
     total = float32(0.0)
     for h in range(n_ihead):
-        if dots[h] > float32(0.0):
-            total += w_s[h] * dots[h]
+        total = _add_head(total, w_s[h], dots[h])
     return total
 
 
@@ -1476,11 +1483,9 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
             dots[15] += q3 * r3
             at_q += uint32(ISC_QS)
             at_row += uint32(ISC_RS)
-        for a in range(ISC_SUB):                 # this head's terms, as _heads_total adds them
+        for a in range(ISC_SUB):                 # this head's terms, in head order
             for b in range(ISC_SUB):
-                d = dots[ISC_SUB * a + b]
-                if d > float32(0.0):
-                    totals[ISC_SUB * a + b] += w[a] * d
+                totals[ISC_SUB * a + b] = _add_head(totals[ISC_SUB * a + b], w[a], dots[ISC_SUB * a + b])
     for a in range(ISC_SUB):
         t = wt0 + ISC_SUB * tg + a
         if t < n_tok:
