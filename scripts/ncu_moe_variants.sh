@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (carry [".whl"]): ncu's stall reasons, pipe utilizations, L1 wavefronts and SASS
-# mix of the MoE decode kernels, one step per knob variant (scripts/ncu_moe_variants.py; "" is the
-# shipped kernels), into $OUT/ncu_moe_variants.txt:
-#   bash scripts/ncu_moe_variants.sh "" "_IQ2_REPACKED_GATE_UP=1"
+# mix of the MoE decode kernels, one step with the shipped kernels and one per knob configuration
+# (scripts/ncu_moe_variants.py), into $OUT/ncu_moe_variants.txt:
+#   bash scripts/ncu_moe_variants.sh "_GU_HALVES=0,_IQ2_REPACKED_GATE_UP=1"
 # NCU_REGEX picks the kernels (default: gate/up and down decode).
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
