@@ -816,18 +816,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_BULK_GATE_UP", "_BULK_REGS")
-    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM); the bulk-copy ring (_BULK_GATE_UP
-    # stages): 96 registers uncapped, 80 with 40 bytes of spills
-    variants = [(False, 4, 6, True, 0, 80), (True, 4, 6, True, 0, 80), (True, 4, 6, True, 3, 80),
-                (True, 4, 6, True, 3, 0), (True, 4, 6, True, 2, 80), (True, 4, 4, True, 4, 80),
-                (True, 3, 4, True, 4, 80), (True, 8, 8, True, 2, 80), (True, 4, 6, True, 3, 72),
-                (False, 4, 6, True, 0, 80), (True, 4, 6, True, 0, 80)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
+    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM)
+    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
+                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
 
     def describe(k):
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])} "
-                f"ring {k['_BULK_GATE_UP']} regs {k['_BULK_REGS'] or '-'}")
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -33,9 +33,9 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, ld_quad, mbar_expect, mbar_fence_init, mbar_init, mbar_wait,
-                              bulk_copy, mma_s8, mma_s8_acc, negate_bytes, pdl_enter, shr64_lo)
-from .cuda_ops import ALIGN16, hc_post_dim
+                              iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
+                              shr64_lo)
+from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
 
@@ -2286,20 +2286,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-_BULK_REGS = 80    # the ring kernel's register cap (96 uncapped: 3 blocks of 6 warps per SM, not 4)
-_BULK_GATE_UP = 0  # stages of moe_gate_up_halves' bulk-copy ring (0: the lanes load their words)
-
-
-def gate_up_bulk_applies(K, arena):
-    """The ring takes rows of a multiple of 8 super-blocks (whole 16-byte pieces) from a 16-byte
-    aligned arena, in a ring under the 48 KB of static shared memory (an expert that starts off a
-    16-byte boundary is loaded by its lanes: GGUF tensors start on 32-byte ones)."""
-    ring = _NW_GATE_UP * _BULK_GATE_UP * 2 * (66 * K // 256)
-    return (_BULK_GATE_UP > 0 and K % 2048 == 0 and ring <= 44 * 1024
-            and _dev_ptr(_arena_views(arena)[1]) % 16 == 0)
-
-
-def _moe_gate_up_halves_kernel(NSB, PRE=True, STAGES=0, NW=6):
+def _moe_gate_up_halves_kernel(NSB, PRE=True):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2321,23 +2308,11 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, STAGES=0, NW=6):
     16: q ^ 2, then xor 8: q ^ 1). Here the term of sb sits in lanes 2 sb, 2 sb + 1; the chain
     hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: from 8-lane group g - 1
     to g, g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane
-    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
-
-    STAGES > 0 (_BULK_GATE_UP; rows of a multiple of 8 super-blocks, a whole number of 16-byte
-    pieces, 16-byte aligned): the weights come through shared memory. Each of the block's NW warps
-    keeps a ring of STAGES units (both rows of a (row, slot)); its lane 0 fills it with bulk copies
-    (TMA, counted on one mbarrier per stage) STAGES units ahead, and the lanes read their words
-    from there: the loads' latency hides behind the units before without a register, and a warp's
-    first STAGES units are in flight from its start. The same words, so the same bits."""
+    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..)."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
     NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
-    RB = 66 * NSB                       # bytes of a row
-    RBW = RB // 4
-    NBAR = max(1, NW * STAGES)          # the ring's barriers and words (one unused word if no ring)
-    BUF_WORDS = max(1, NBAR * 2 * RBW + 4)   # + 4: a lane may read one word past its row's end
-    assert not STAGES or NSB % 8 == 0
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2353,81 +2328,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, STAGES=0, NW=6):
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_inline
-    def load_half_ring(buf, roff, sb, h, valid, w, o):
-        """load_half's words from a row copied to byte roff (16-byte aligned) of the ring."""
-        base = (roff + 66 * sb + 2 + 32 * h) >> 2
-        for i in range(NWD):
-            w[o + i] = uint32(0)
-        if valid:
-            for i in range(9):
-                w[o + i] = buf[_ix(base + i)]
-            w[o + 9] = ld_half(buf, (roff >> 1) + 33 * sb)
-
-    @_inline
-    def on_16(slot_off, k):
-        """Both of slot k's rows start on 16-byte boundaries (rows are whole 16-byte pieces)."""
-        return ((slot_off[k * 3] | slot_off[k * 3 + 1]) & 15) == 0
-
-    @_inline
-    def fill_stage(buf, bars, a32, slot_off, r, k, rb, slot):
-        """Lane 0: unit (r, k)'s gate and up rows into ring slot `slot` (bulk copies); a unit off
-        16-byte boundaries completes the stage's phase with no bytes (its lanes load it)."""
-        aligned = on_16(slot_off, k)
-        mbar_expect(bars, slot, 2 * RB if aligned else 0)
-        if aligned:
-            for m in range(2):
-                bulk_copy(buf, (2 * slot + m) * RB, a32, slot_off[k * 3 + m] + r * rb, RB, bars, slot)
-
-    @_inline
-    def unit_dots(w, roffs, sb, valid, grp, xw, xds, pos, grid_s, ks_s, shs, totals, terms, res):
-        """res[m]: the row dots of the unit's words w (gate m = 0, up m = 1); roffs only for the
-        parity of each row's byte offset."""
-        # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
-        # row computed after the other would get its words (and both d) only then
-        for m in range(2):
-            # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
-            shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
-            totals[m] = int32(0)
-            terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
-        for s in range(4):
-            for m in range(2):
-                o = m * NWD
-                aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
-                aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
-                sumi = int32(0)
-                for l in range(4):
-                    w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))],
-                                             ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
-                    sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
-                    sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
-                totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
-        for m in range(2):
-            bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
-            acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
-            for g in range(1, NST):                 # the chain: group g - 1 hands on to g
-                prev = cuda.shfl_xor_sync(FULL_MASK, acc, ((g - 1) ^ g) << 3)
-                if grp == g:
-                    acc = cuda.fma(terms[m], bsum, prev) if valid else prev
-            acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
-            acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
-            res[m] = float32(0.125) * acc
-
-    @_jit_capped(_BULK_REGS if STAGES else 0)
+    @_jit_capped(0)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
             pdl_enter()
         grid_s = cuda.shared.array(256, uint32)
         ks_s = cuda.shared.array(129, uint32)
-        bars = cuda.shared.array(NBAR, uint64)
-        buf = cuda.shared.array(BUF_WORDS, uint32, alignment=ALIGN16)
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        if STAGES and lane == 0:                        # the warp's ring, before any use
-            for i in range(STAGES):
-                mbar_init(bars, warp * STAGES + i)
-            mbar_fence_init()
         if PRE:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
             pdl_enter()                                 # everything below may read earlier grids' output
@@ -2436,6 +2343,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, STAGES=0, NW=6):
         if cuda.threadIdx.x == 0:
             ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
         cuda.syncthreads()
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
         sb = lane >> 1
         h = lane & 1
         valid = sb < NSB
@@ -2458,42 +2367,42 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, STAGES=0, NW=6):
         terms = cuda.local.array(2, float32)
         nwarps = cuda.blockDim.x >> 5
         n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
-        if STAGES:
-            mine = (n_units - warp + nwarps - 1) // nwarps if warp < n_units else 0
-            fr, fk = r, k                               # the next unit to fill (lane 0)
-            if lane == 0:
-                for j in range(STAGES):
-                    if j < mine:
-                        fill_stage(buf, bars, a32, slot_off, fr, fk, rb, warp * STAGES + j)
-                        fr, fk = _next_unit(fr, fk, nwarps, n_used)
-            for j in range(mine):
-                slot = warp * STAGES + j % STAGES
-                mbar_wait(bars, slot, (j // STAGES) & 1)
-                if on_16(slot_off, k):                  # warp-uniform
-                    for m in range(2):
-                        roffs[m] = (2 * slot + m) * RB
-                        load_half_ring(buf, roffs[m], sb, h, valid, w, m * NWD)
-                else:
-                    for m in range(2):
-                        roffs[m] = slot_off[k * 3 + m] + r * rb
-                        load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
-                cuda.syncwarp(FULL_MASK)                # the stage's words are read: refill it
-                if lane == 0 and j + STAGES < mine:
-                    fill_stage(buf, bars, a32, slot_off, fr, fk, rb, slot)
-                    fr, fk = _next_unit(fr, fk, nwarps, n_used)
-                unit_dots(w, roffs, sb, valid, grp, xw, xds, pos, grid_s, ks_s, shs, totals, terms, res)
-                if lane == LOUT:
-                    mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-                r, k = _next_unit(r, k, nwarps, n_used)
-        else:
-            for unit in range(warp, n_units, nwarps):   # warp-uniform loop
-                for m in range(2):                      # gate row, up row: all loads first
-                    roffs[m] = slot_off[k * 3 + m] + r * rb
-                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
-                unit_dots(w, roffs, sb, valid, grp, xw, xds, pos, grid_s, ks_s, shs, totals, terms, res)
-                if lane == LOUT:
-                    mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-                r, k = _next_unit(r, k, nwarps, n_used)
+        for unit in range(warp, n_units, nwarps):       # warp-uniform loop
+            for m in range(2):                          # gate row, up row: all loads first
+                roffs[m] = slot_off[k * 3 + m] + r * rb
+                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
+            # row computed after the other would get its words (and both d) only then
+            for m in range(2):
+                # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
+                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
+                totals[m] = int32(0)
+                terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
+            for s in range(4):
+                for m in range(2):
+                    o = m * NWD
+                    aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
+                    aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
+                    sumi = int32(0)
+                    for l in range(4):
+                        w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))],
+                                                 ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
+                        sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
+                        sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
+                    totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
+            for m in range(2):
+                bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
+                acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
+                for g in range(1, NST):                 # the chain: group g - 1 hands on to g
+                    prev = cuda.shfl_xor_sync(FULL_MASK, acc, ((g - 1) ^ g) << 3)
+                    if grp == g:
+                        acc = cuda.fma(terms[m], bsum, prev) if valid else prev
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
+                res[m] = float32(0.125) * acc
+            if lane == LOUT:
+                mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
+            r, k = _next_unit(r, k, nwarps, n_used)
 
     return moe_gate_up_halves
 
@@ -3744,9 +3653,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        stages = _BULK_GATE_UP if gate_up_bulk_applies(n_embd, arena) else 0
-        kernel = _cached(("moe_gu_halves", NSB, pre, stages, _NW_GATE_UP, _BULK_REGS),
-                         lambda: _moe_gate_up_halves_kernel(NSB, pre, stages, _NW_GATE_UP))
+        kernel = _cached(("moe_gu_halves", NSB, pre), lambda: _moe_gate_up_halves_kernel(NSB, pre))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

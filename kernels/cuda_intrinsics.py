@@ -40,15 +40,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
-* ``mbar_init(bars, i)``, ``mbar_expect(bars, i, nbytes)``, ``bulk_copy(s, s_byte, a, a_byte,
-  nbytes, bars, i)``, ``mbar_wait(bars, i, parity)``: a warp's own pipeline of bulk copies (sm_90
-  TMA: no registers, no tensor map). mbar_init makes element i of the shared uint64 array bars an
-  mbarrier that one arrival completes (``mbar_fence_init()`` and a barrier must follow before
-  other threads or the copy engine use it); mbar_expect is that arrival, announcing the nbytes
-  the phase's copies will bring; bulk_copy copies the nbytes at byte a_byte of the global array a
-  to byte s_byte of the shared array s (both 16-byte aligned, nbytes a multiple of 16) and counts
-  them on the barrier; mbar_wait spins until the barrier's phase of that parity has completed,
-  after which the waiting thread sees the copied bytes.
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
   Both take a flat element index, so s may be a C-contiguous array of any rank.
@@ -200,21 +191,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async4_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
-
-    def mbar_init(bars, i):
-        raise NotImplementedError("mbarrier: no simulator version")
-
-    def mbar_fence_init():
-        raise NotImplementedError("mbarrier: no simulator version")
-
-    def mbar_expect(bars, i, nbytes):
-        raise NotImplementedError("mbarrier: no simulator version")
-
-    def bulk_copy(s, s_byte, a, a_byte, nbytes, bars, i):
-        raise NotImplementedError("cp.async.bulk: no simulator version")
-
-    def mbar_wait(bars, i, parity):
-        raise NotImplementedError("mbarrier: no simulator version")
 
     def _flat(s):
         return s.reshape(-1) if s.ndim > 1 else s
@@ -506,103 +482,6 @@ else:
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
-
-    mbar_fence_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
-
-    def _shared_u32(builder, ary, index):
-        """The 32-bit shared-window address of element index of a shared array, as PTX text's
-        operand: the generic pointer (an i64) the asm converts with cvta.to.shared."""
-        return builder.ptrtoint(builder.gep(ary.data, [index]), ir.IntType(64))
-
-    _TO_SHARED = "cvta.to.shared.u64 {t}, {g}; cvt.u32.u64 {s}, {t}; "
-
-    @intrinsic
-    def mbar_init(typingctx, bars, i):
-        if not (isinstance(bars, types.Array) and bars.dtype == types.uint64 and isinstance(i, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            asm = ("{ .reg .u64 t; .reg .u32 b; " + _TO_SHARED.format(t="t", g="$0", s="b")
-                   + "mbarrier.init.shared::cta.b64 [b], 1; }")
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), asm,
-                                      "l,~{memory}", side_effect=True), [_shared_u32(builder, ary, idx)])
-            return context.get_dummy_value()
-
-        return types.void(bars, i), codegen
-
-    @intrinsic
-    def mbar_expect(typingctx, bars, i, nbytes):
-        if not (isinstance(bars, types.Array) and bars.dtype == types.uint64
-                and isinstance(i, types.Integer) and isinstance(nbytes, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            n = context.cast(builder, args[2], signature.args[2], types.uint32)
-            asm = ("{ .reg .u64 t, st; .reg .u32 b; " + _TO_SHARED.format(t="t", g="$0", s="b")
-                   + "mbarrier.arrive.expect_tx.shared::cta.b64 st, [b], $1; }")
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-            builder.call(ir.InlineAsm(fnty, asm, "l,r,~{memory}", side_effect=True),
-                         [_shared_u32(builder, ary, idx), n])
-            return context.get_dummy_value()
-
-        return types.void(bars, i, nbytes), codegen
-
-    @intrinsic
-    def mbar_wait(typingctx, bars, i, parity):
-        if not (isinstance(bars, types.Array) and bars.dtype == types.uint64
-                and isinstance(i, types.Integer) and isinstance(parity, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            par = context.cast(builder, args[2], signature.args[2], types.uint32)
-            # the label is local to the braces: every inlined copy may use the same name
-            asm = ("{ .reg .u64 t; .reg .u32 b; .reg .pred done; " + _TO_SHARED.format(t="t", g="$0", s="b")
-                   + "MBAR_WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [b], $1; "
-                   "@!done bra MBAR_WAIT; }")
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-            builder.call(ir.InlineAsm(fnty, asm, "l,r,~{memory}", side_effect=True),
-                         [_shared_u32(builder, ary, idx), par])
-            return context.get_dummy_value()
-
-        return types.void(bars, i, parity), codegen
-
-    @intrinsic
-    def bulk_copy(typingctx, s, s_byte, a, a_byte, nbytes, bars, i):
-        if not (isinstance(s, types.Array) and isinstance(a, types.Array) and a.layout == "C"
-                and isinstance(bars, types.Array) and bars.dtype == types.uint64
-                and all(isinstance(t, types.Integer) for t in (s_byte, a_byte, nbytes, i))):
-            return None
-
-        def codegen(context, builder, signature, args):
-            i8p = ir.IntType(8).as_pointer()
-            i64 = ir.IntType(64)
-            sary = context.make_array(signature.args[0])(context, builder, args[0])
-            gary = context.make_array(signature.args[2])(context, builder, args[2])
-            bary = context.make_array(signature.args[5])(context, builder, args[5])
-
-            def byte_ptr(data, k):
-                off = context.cast(builder, args[k], signature.args[k], types.int64)
-                return builder.ptrtoint(builder.gep(builder.bitcast(data, i8p), [off]), i64)
-
-            n = context.cast(builder, args[4], signature.args[4], types.uint32)
-            bidx = context.cast(builder, args[6], signature.args[6], types.int64)
-            asm = ("{ .reg .u64 t, g; .reg .u32 s, b; "
-                   + _TO_SHARED.format(t="t", g="$0", s="s") + _TO_SHARED.format(t="t", g="$2", s="b")
-                   + "cvta.to.global.u64 g, $1; "
-                   "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [s], [g], $3, [b]; }")
-            fnty = ir.FunctionType(ir.VoidType(), [i64, i64, i64, ir.IntType(32)])
-            builder.call(ir.InlineAsm(fnty, asm, "l,l,l,r,~{memory}", side_effect=True),
-                         [byte_ptr(sary.data, 1), byte_ptr(gary.data, 3),
-                          _shared_u32(builder, bary, bidx), n])
-            return context.get_dummy_value()
-
-        return types.void(s, s_byte, a, a_byte, nbytes, bars, i), codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

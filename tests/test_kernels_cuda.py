@@ -440,34 +440,6 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
-# (ring stages, rows per block, warps per block): one fill per unit; refills with the phase
-# flipping (24 units of 4 warps: 6 each); 12 units a warp through 2 stages
-_RING_VARIANTS = [(3, 4, 6), (4, 4, 4), (2, 8, 4)]
-
-
-@pytest.mark.parametrize("stages,rpb,nw", _RING_VARIANTS,
-                         ids=[f"stages{v[0]}-rpb{v[1]}-nw{v[2]}" for v in _RING_VARIANTS])
-def test_moe_gate_up_ring_same_bits(experts, moe_knobs, stages, rpb, nw):
-    """moe_gate_up_halves with its weights brought by bulk copies through a ring in shared memory
-    (_BULK_GATE_UP) against the first gate/up kernel: the same words, so the same bits."""
-    moe_knobs(_BULK_GATE_UP=stages, _NW_GATE_UP=nw)
-    assert K.gate_up_bulk_applies(N_EMBD, experts["arena"])
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _BULK_GATE_UP=stages,
-                                      _RPB_GATE_UP=rpb, _NW_GATE_UP=nw, _PRE_GATE_UP=True)
-
-
-@pytest.mark.parametrize("n_embd", [2048, 4096])
-@pytest.mark.parametrize("extra", [0, 2, 16])
-def test_moe_gate_up_ring_rows_and_offsets(moe_knobs, n_embd, extra):
-    """The ring on rows of 8 and 16 super-blocks, n_ff 20 (a partial last block), experts on
-    16-byte boundaries or not (2: the lanes load those units themselves; 16: off 256 but on 16),
-    against the first gate/up kernel bit for bit."""
-    moe_knobs(**_FIRST_MOE_DECODE)
-    ref = _gate_up_mid(n_embd, 20, 3, 31, extra)
-    moe_knobs(_GU_HALVES=True, _BULK_GATE_UP=3, _RPB_GATE_UP=4, _NW_GATE_UP=6)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 31, extra), ref)
-
-
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
 def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     """_IQ2_REPACKED_GATE_UP (the byte-permute kernel reading rows that iq2_xxs_relayout rewrote:
