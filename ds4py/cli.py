@@ -288,7 +288,8 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
     """Everything `probe` reports, as plain data (the JSON of `probe --json`).
 
     Keys: machine {ram {total, available, memlock_limit}, gpu {via, driver, note, devices [{index,
-    name, total, free, pcie_gen, pcie_width}]}}; model {path, file_size, filesystem, direct_io,
+    name, total, free, pcie_gen, pcie_width,
+    compute_capability}]}}; model {path, file_size, filesystem, direct_io,
     direct_io_note, cached_bytes, bytes_by_role, distinct_bytes, dense_bytes, expert_bytes,
     expert_slot_bytes, n_ctx, kv_bytes, scratch_bytes}; options [{option, value, source, env}]
     (source: flag | env | default); notes [str]; decision {regime, forced, reasons, warnings,
@@ -359,7 +360,9 @@ def print_probe(r: dict) -> None:
     facts.add_row("RAM", f"{gib(ram['total'])} total, {gib(ram['available'])} available (page-lock limit {lock})")
     for g in gpu["devices"]:
         link = f", PCIe gen{g['pcie_gen']} x{g['pcie_width']}" if g.get("pcie_gen") else ""
-        facts.add_row(f"GPU {g['index']}", f"{g['name']}: {gib(g['total'])} total, {gib(g['free'])} free{link}")
+        cc = g.get("compute_capability")
+        arch = f", compute capability {cc[0]}.{cc[1]}" if cc else ""
+        facts.add_row(f"GPU {g['index']}", f"{g['name']}: {gib(g['total'])} total, {gib(g['free'])} free{link}{arch}")
     via = f"via {gpu['via']}" + (f", driver {gpu['driver']}" if gpu["driver"] else "")
     facts.add_row("GPU probe", via + (f"; {gpu['note']}" if gpu["note"] else "") if gpu["devices"] else
                   f"no GPU ({gpu['note'] or gpu['via']})")

@@ -50,6 +50,20 @@ class GpuFacts:
     free: int
     pcie_gen: int | None = None
     pcie_width: int | None = None
+    compute_capability: tuple[int, int] | None = None    # (major, minor); None: not measured
+
+
+# ds4py's CUDA kernels use int8 tensor-core MMA (mma.m16n8k32) and cp.async: Ampere (8.0) on.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def unsupported_gpu(gpu: GpuFacts) -> str | None:
+    """Why ds4py's kernels cannot run on this GPU (None: they can, or its capability is unknown)."""
+    cc = gpu.compute_capability
+    if cc is None or tuple(cc) >= MIN_COMPUTE_CAPABILITY:
+        return None
+    return (f"{gpu.name} is compute capability {cc[0]}.{cc[1]}; ds4py's CUDA kernels need "
+            f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer (int8 tensor-core MMA, cp.async)")
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,10 @@ class _Budgets:
 
 def _budgets(f: Facts, r: Request) -> _Budgets:
     gpu = f.gpus[0] if f.gpus and r.gpu_vram != 0 else None
-    if gpu is None:
+    too_old = unsupported_gpu(gpu) if gpu is not None else None
+    if too_old:
+        gpu, vram, vram_note = None, 0, too_old
+    elif gpu is None:
         vram, vram_note = 0, ("--gpu-vram 0" if f.gpus else "no GPU")
     elif r.gpu_vram is not None:
         vram, vram_note = r.gpu_vram, "--gpu-vram"
@@ -183,8 +200,13 @@ def _device_inequality(m: ModelFacts, b: _Budgets, fits: bool) -> str:
 
 def _need_gpu(b: _Budgets, regime: str) -> None:
     if b.gpu is None:
-        why = "--gpu-vram 0 selects the CPU path" if b.vram_note == "--gpu-vram 0" else "no NVIDIA GPU was found"
-        raise Refusal(f"{regime} needs a GPU but {why}; drop {FORCE_FLAG[regime].split()[0]} to run on the CPU")
+        raise Refusal(f"{regime} needs a GPU but {_no_gpu_reason(b)}; drop {FORCE_FLAG[regime].split()[0]} to run on the CPU")
+
+
+def _no_gpu_reason(b: _Budgets) -> str:
+    if b.vram_note == "--gpu-vram 0":
+        return "--gpu-vram 0 selects the CPU path"
+    return "no NVIDIA GPU was found" if b.vram_note == "no GPU" else b.vram_note
 
 
 def _expert_cache(f: Facts, r: Request, b: _Budgets, regime: str) -> tuple[int, list[str], list[str]]:
@@ -232,8 +254,7 @@ def _plan(regime: str, f: Facts, r: Request, b: _Budgets) -> Decision:
     fits_ram = _fits_ram(f, b)
     common = dict(gpu=b.gpu, vram_budget=b.vram, ram_budget=b.ram)
     if regime == "cpu":
-        why = ("--gpu-vram 0 selects the CPU path: " if b.vram_note == "--gpu-vram 0"
-               else "no NVIDIA GPU was found: " if b.gpu is None else "")
+        why = _no_gpu_reason(b) + ": " if b.gpu is None else ""
         return Decision("cpu", (f"{why}the CPU engine reads the file mapping in place",),
                         fit="runs anywhere (slowest)", **common)
 

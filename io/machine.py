@@ -69,9 +69,11 @@ def _probe_nvml() -> GpuProbe | None:
         for cuda_index, i in enumerate(order):
             h = handles[i]
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            cc = _maybe(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             gpus.append(GpuFacts(cuda_index, _text(pynvml.nvmlDeviceGetName(h)), int(mem.total), int(mem.free),
                                  _maybe(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                                 _maybe(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h)))
+                                 _maybe(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                                 tuple(int(v) for v in cc) if cc else None))
         driver = _maybe(pynvml.nvmlSystemGetDriverVersion)
         note = "" if wanted is None else f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
         if not gpus and count:
@@ -93,7 +95,8 @@ def _probe_numba() -> GpuProbe:
         dev = cuda.get_current_device()
         free, total = cuda.current_context().get_memory_info()
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        return GpuProbe([GpuFacts(0, name, int(total), int(free))], "numba",
+        cc = tuple(int(v) for v in dev.compute_capability)
+        return GpuProbe([GpuFacts(0, name, int(total), int(free), compute_capability=cc)], "numba",
                         note="VRAM read through a CUDA context (install nvidia-ml-py for a context-free probe)")
     except Exception as e:
         return GpuProbe(note=f"no GPU probe available ({type(e).__name__}: nvidia-ml-py and numba-cuda missing or failing)")

@@ -116,6 +116,21 @@ def test_forced_regimes_refuse_with_the_shortfall():
         decide(box(64, [gpu(16)]), Request(direct_model=True))
 
 
+def test_gpu_older_than_ampere_runs_on_the_cpu_and_says_why():
+    """A Turing or Volta card (no int8 mma.m16n8k32): the CPU engine, with the card's capability
+    named; a forced GPU regime refuses with the same reason. Ampere and newer, and cards whose
+    capability was not measured, keep the GPU regimes."""
+    old = GpuFacts(0, "Tesla T4", 16 * GB, 15 * GB, compute_capability=(7, 5))
+    d = decide(box(64, [old]))
+    assert d.regime == "cpu" and d.gpu is None
+    assert "Tesla T4 is compute capability 7.5" in d.reasons[0] and "8.0 or newer" in d.reasons[0]
+    with pytest.raises(Refusal, match=r"stream needs a GPU but Tesla T4 is compute capability 7.5"):
+        decide(box(64, [old]), Request(weights="stream"))
+    for cc in ((8, 0), (8, 6), (9, 0), None):
+        card = GpuFacts(0, "card", 16 * GB, 15 * GB, compute_capability=cc)
+        assert decide(box(64, [card])).regime == "stream"
+
+
 def test_forced_device_over_budget_plans_the_host_mapped_fallback():
     d = decide(box(128, [gpu(150, 149)]), Request(weights="device", gpu_vram=10 * GiB))
     assert d.regime == "device" and d.forced and d.arena_limit < Q2.model_bytes
