@@ -471,54 +471,57 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     tok = Tokenizer.from_gguf(m.file)
     # the shared loader: detector -> weight source -> CPU or CUDA engine (ds4py/engine.py)
     loaded = open_engine(m, weights, log=say)
-    console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}", highlight=False)
-    session = Session(loaded.engine)
-    sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+    try:
+        console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}", highlight=False)
+        session = Session(loaded.engine)
+        sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
 
-    def turn(ids):
-        on_token, finish = _stream_printer(tok)
-        notice = CompileNotice(say)
-        with notice.install():
-            result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
-        finish()
-        if result.stop == "interrupted":
-            console.print("[interrupted]", markup=False)
-        elif result.stop == "context":
-            console.print(f"[context full: --ctx {weights.n_ctx}]", markup=False)
-        if dump_logits is not None and result.prompt_logits is not None:
-            _write_logits(dump_logits, result.prompt_logits)
-        console.print(result.stats_line(), highlight=False)
-        if notice.seconds >= 0.5:
-            say(f"ds4py: {notice.seconds:.1f} s of this reply went to compiling kernels (the rates above include it)")
-        if stats:
-            console.print(_stats_line(loaded, m, result), highlight=False)
-        return result
+        def turn(ids):
+            on_token, finish = _stream_printer(tok)
+            notice = CompileNotice(say)
+            with notice.install():
+                result = generate(session, ids, sampler, n_predict, tok.eos_id, on_token=on_token)
+            finish()
+            if result.stop == "interrupted":
+                console.print("[interrupted]", markup=False)
+            elif result.stop == "context":
+                console.print(f"[context full: --ctx {weights.n_ctx}]", markup=False)
+            if dump_logits is not None and result.prompt_logits is not None:
+                _write_logits(dump_logits, result.prompt_logits)
+            console.print(result.stats_line(), highlight=False)
+            if notice.seconds >= 0.5:
+                say(f"ds4py: {notice.seconds:.1f} s of this reply went to compiling kernels (the rates above include it)")
+            if stats:
+                console.print(_stats_line(loaded, m, result), highlight=False)
+            return result
 
-    if prompt is not None:
-        turn(render_prompt(tok, prompt, system=system, think=think))
-        return
-    conv = Conversation(tok, system=system, think=think)
-    console.print("ds4py chat: /think, /nothink, /quit; Ctrl-C stops a reply; Ctrl-D exits")
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            console.print("")
+        if prompt is not None:
+            turn(render_prompt(tok, prompt, system=system, think=think))
             return
-        except KeyboardInterrupt:
-            console.print("")
-            continue
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/quit", "/exit"):
-            return
-        if text in ("/think", "/nothink"):
-            conv.think = text == "/think"
-            console.print(f"thinking {'on' if conv.think else 'off'}")
-            continue
-        result = turn(conv.add_user(line))
-        conv.add_reply(result.tokens)
+        conv = Conversation(tok, system=system, think=think)
+        console.print("ds4py chat: /think, /nothink, /quit; Ctrl-C stops a reply; Ctrl-D exits")
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                console.print("")
+                return
+            except KeyboardInterrupt:
+                console.print("")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                return
+            if text in ("/think", "/nothink"):
+                conv.think = text == "/think"
+                console.print(f"thinking {'on' if conv.think else 'off'}")
+                continue
+            result = turn(conv.add_user(line))
+            conv.add_reply(result.tokens)
+    finally:
+        loaded.close()       # and record the CUDA kernels it built (kernels/precompile.py)
 
 
 def _counters_text(source) -> str:

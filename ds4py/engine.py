@@ -7,6 +7,8 @@ the mmap, the CUDA engine on the source's device arena. The engine never learns 
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ds4py.errors import ResourceError
@@ -18,18 +20,66 @@ class Loaded:
     source: object
     decision: object
     kind: str                 # "cpu" | "cuda"
+    kernel_key: str | None = None    # the CUDA kernels' manifest key (kernels/precompile.py)
 
     def close(self) -> None:
+        if self.kernel_key is not None:          # what this run built, for the next one's workers
+            from ds4py.kernels import precompile
+            precompile.record(self.kernel_key)
         close = getattr(self.source, "close", None)
         if close:
             close()
+
+
+def kernel_key(model) -> str:
+    from ds4py.kernels import precompile
+    return precompile.shape_key(model.spec, (t.ggml_type for t in model.file.tensors.values()))
+
+
+def compile_ahead(model, jobs: int, *, progress=True, log=None) -> None:
+    """The CUDA kernels a model of this shape built in an earlier run (or the package's manifest
+    lists), compiled into the disk cache by `jobs` worker processes (0: auto) unless they are
+    already there; a first run of a new shape compiles at first use, as before."""
+    from ds4py.kernels import precompile
+    key = kernel_key(model)
+    kernels = precompile.manifest_for(key)
+    jobs = jobs or precompile.default_jobs()
+    if jobs == 1 or not kernels or precompile.compiled_for_these_sources(key):
+        return
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    with _count_bar(progress, f"compiling kernels ({jobs} processes)", len(kernels)) as advance:
+        seconds, failures = precompile.compile_in_workers(kernels, jobs, on_done=advance)
+    log(f"ds4py: compiled {len(kernels)} CUDA kernels in {jobs} processes in {seconds:.1f} s "
+        f"(kept in the disk cache for the next runs)")
+    if failures:
+        log(f"ds4py: {len(failures)} kernels will compile at first use instead ({failures[0]})")
+    else:
+        precompile.record(key, kernels=[])      # compiled for these sources: no workers next time
+
+
+@contextmanager
+def _count_bar(enabled, description: str, total: int):
+    """Yield advance(n) of a rich M/N bar on stderr (enabled True), or a no-op."""
+    if enabled is not True:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.update(task, advance=n)
 
 
 def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
     """Decide the regime, load the weights and build the matching engine."""
     from ds4py.io.sources import load_weights
 
-    source, decision = load_weights(model, weights, progress=progress, log=log)
+    def before_open(decision):
+        if decision.regime != "cpu":
+            compile_ahead(model, weights.compile_jobs, progress=progress, log=log)
+
+    source, decision = load_weights(model, weights, progress=progress, log=log, before_open=before_open)
     if decision.regime == "cpu":
         from ds4py.forward_cpu import CpuEngine
         return Loaded(CpuEngine(model, source, n_ctx=weights.n_ctx), source, decision, "cpu")
@@ -43,4 +93,4 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
             raise ResourceError(f"not enough VRAM for the KV state and scratch at --ctx {weights.n_ctx} "
                                 f"({e}); lower --ctx or --gpu-vram") from None
         raise
-    return Loaded(engine, source, decision, "cuda")
+    return Loaded(engine, source, decision, "cuda", kernel_key(model))

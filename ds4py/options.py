@@ -179,6 +179,11 @@ OPTIONS: tuple[Opt, ...] = (
         "Fault the whole file into the page cache before loading (MADV_POPULATE_READ, with progress)."),
     Opt("io_threads", "--io-threads", "DS4PY_IO_THREADS", "value", 0, "N",
         "Reader threads filling the staging buffers (0 = auto: min(16, CPUs)).", _parse_int("--io-threads", 0, 256)),
+    Opt("compile_jobs", "--compile-jobs", "DS4PY_COMPILE_JOBS", "value", 0, "N",
+        "Processes compiling the CUDA kernels of a model shape seen before when the kernel cache lacks "
+        "them (after an upgrade; the package knows the tiny and full-size q2 shapes): 0 = auto "
+        "(min(8, CPUs - 1)); 1 compiles at first use, one kernel at a time.",
+        _parse_int("--compile-jobs", 0, 256)),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}
 
@@ -202,6 +207,7 @@ class WeightOptions:
     no_pdl: bool = False
     warm_weights: bool = False
     io_threads: int = 0
+    compile_jobs: int = 0
     sources: dict[str, str] = field(default_factory=dict)   # dest -> "flag" | "env" | "default"
     given: dict[str, str] = field(default_factory=dict)     # dest -> the text the user wrote
     notes: list[str] = field(default_factory=list)          # e.g. clamping

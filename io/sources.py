@@ -759,11 +759,15 @@ def plan_weights(model: Model, options=None, report=None):
     return decision, report
 
 
-def load_weights(model: Model, options=None, *, progress=True, log=None):
-    """Decide, say so in one line (plus warnings), and open the source: (source, decision)."""
+def load_weights(model: Model, options=None, *, progress=True, log=None, before_open=None):
+    """Decide, say so in one line (plus warnings), and open the source: (source, decision).
+    before_open(decision): called between the two (the engine compiles its kernels there, before
+    the source takes its VRAM)."""
     log = log or _stderr_line
     decision, _report = plan_weights(model, options)
     log(f"ds4py: weights {decision.summary()}")
     for w in decision.warnings:
         log(f"ds4py: warning: {w}")
+    if before_open is not None:
+        before_open(decision)
     return open_source(model, decision, options, progress=progress, log=log), decision

@@ -118,7 +118,7 @@ def _u16pair(a16, h):
 # Activation quantizers (bit-identical to cpu.quantize_q8_0 / cpu.quantize_q8_k)
 # ============================================================================================
 
-@cuda.jit
+@_jit_capped(0)
 def _quantize_q8_0_kernel(x, q, d, nblocks):
     """One warp per 32-value block, one lane per value."""
     pdl_enter()
@@ -139,7 +139,7 @@ def _quantize_q8_0_kernel(x, q, d, nblocks):
         d[b] = db
 
 
-@cuda.jit
+@_jit_capped(0)
 def _quantize_q8_k_kernel(x, q, d, bsums, nblocks):
     """One warp per 256-value block; lane l holds values 8l..8l+7."""
     pdl_enter()
@@ -359,10 +359,14 @@ def _make_finish(S, T):
 _KERNELS = {}
 
 
-def _cached(key, build):
+def _cached(factory, *args):
+    """factory(*args), built once per process. _KERNELS is keyed by (factory name, *args): what
+    kernels/precompile.py records to rebuild the kernel in another process."""
+    args = tuple(a.item() if isinstance(a, np.generic) else a for a in args)   # as a worker rebuilds them
+    key = (factory.__name__,) + args
     k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[key] = build()
+        k = _KERNELS[key] = factory(*args)
     return k
 
 
@@ -1471,15 +1475,14 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         # the cp.async staging: weight rows and activation rows on 16-byte boundaries
         cpa = bool(_MMA_ST_CPASYNC) and all(off % 16 == 0 for off, _ in parts) and (
             _dev_ptr(xq) % 16 == 0)
-        kernel = _cached(("q8_0_mma_staged", S, U, R, T, regs, pf, mc, cpa, sl),
-                         lambda: _q8_0_mma_staged_kernel(S, U, pf, regs, R // 16, T // 8, mc, cpa, sl))
+        kernel = _cached(_q8_0_mma_staged_kernel, S, U, pf, regs, R // 16, T // 8, mc, cpa, sl)
         grid = ((rows + R - 1) // R, (n_tok + T - 1) // T)
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a64, off_a // 8, 17 * nb // 4, rows, nb, nchunks, _as_i64(xq),
             _flat(xd), n_tok, _flat(out), rows, off_b // 8, rows_a)
         return
     if mma:
-        kernel = _cached(("q8_0_mma", S, U), lambda: _q8_0_mma_kernel(S, U))
+        kernel = _cached(_q8_0_mma_kernel, S, U)
         grid = ((rows + 15) // 16, (n_tok + 8 * _MMA_NT - 1) // (8 * _MMA_NT))
         kernel[grid, _MMA_G_WARPS * WARP, _stream(stream)](
             a16, off_a // 2, 17 * nb, rows, nb, _as_i64(xq), _flat(xd), n_tok, _flat(out), rows,
@@ -1490,13 +1493,13 @@ def _launch_q8_0(arena, parts, K, n_tok, xq, xd, out, stream, x_groups=1, mma=No
         nsteps = (nb + 15) // 16
         U2, regs = min(_Q8_0_PAIRS_U, nsteps), _Q8_0_PAIRS_REGS    # U sets no sum's order here
         one = bool(_Q8_0_PAIRS_ONE) and nsteps <= U2
-        kernel = _cached(("q8_0_pairs", U2, pre, regs, one), lambda: _q8_0_pairs_kernel(U2, pre, regs, one))
+        kernel = _cached(_q8_0_pairs_kernel, U2, pre, regs, one)
         kernel[(rows + _NW_DENSE - 1) // _NW_DENSE, _NW_DENSE * WARP, _stream(stream)](
             a32, off_a // 2, 17 * nb, rows, nb, (nsteps + U2 - 1) // U2, _as_i32(xq), _flat(xd),
             _flat(out), off_b // 2, rows_a, rows // x_groups, *_hc_args(hc))
         return
     T = _tok_tile(n_tok)
-    kernel = _cached(("q8_0", S, T, U, sl, pre), lambda: _q8_0_kernel(S, T, U, sl, pre))
+    kernel = _cached(_q8_0_kernel, S, T, U, sl, pre)
     grid = ((rows * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a32 if sl else a16, off_a // 2, 17 * nb, rows, nb, nchunks, _as_i64(xq), _flat(xd),
@@ -1558,8 +1561,7 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
         rows_b = parts[1][1] if len(parts) > 1 else 0
         groups_a, groups_b = (rows_a + R - 1) // R, (rows_b + R - 1) // R
         regs, pf = _F16_TILE_REGS, _F16_TILE_PREFETCH
-        kernel = _cached(("f16_tiled", S, K // 2, R, T, regs, pf),
-                         lambda: _f16_tiled_kernel(S, K // 2, R, T, regs, pf))
+        kernel = _cached(_f16_tiled_kernel, S, K // 2, R, T, regs, pf)
         grid = (((groups_a + groups_b) * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
         kernel[grid, _NW_DENSE * WARP, _stream(stream)](
             a32, off_a // 4, rows_a, off_b // 4, rows_b, memo_view(X, "u64", lambda a: _flat(a).view(np.uint64)),
@@ -1569,7 +1571,7 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
     R = 1 if n_tok == 1 else _F16_R
     nfull = (K // 2) >> 5
     NF = nfull if _F16_CONST_DECODE and n_tok == 1 and S == 1 and 0 < nfull <= 32 else 0
-    kernel = _cached(("f16", S, T, R, NF), lambda: _f16_kernel(S, T, R, NF))
+    kernel = _cached(_f16_kernel, S, T, R, NF)
     grid = (((rows + R - 1) // R * S + _NW_DENSE - 1) // _NW_DENSE, (n_tok + T - 1) // T)
     kernel[grid, _NW_DENSE * WARP, _stream(stream)](
         a32, off_a // 4, K // 2, rows, K // 2, memo_view(X, "c64", lambda a: _flat(a).view(np.complex64)), n_tok, _flat(out), rows,
@@ -2077,7 +2079,7 @@ def _matmul_q8k(wtype, arena, off, rows, K, n_tok, xq, xd, bsums, out, stream):
     T = 1 if n_tok == 1 else 4
     R = _R_DENSE_Q8K
     NCH = _nch(K)
-    kernel = _cached(("q8k_dense", wtype, T, R, NCH), lambda: _q8k_dense_kernel(wtype, T, R, NCH))
+    kernel = _cached(_q8k_dense_kernel, wtype, T, R, NCH)
     grid_g, ks_g = _iq2_tables()
     shmem = 4 * T * _pad_words(K) if _stages_x(wtype) else 0
     rpb = _NW_Q8K * R
@@ -3535,7 +3537,7 @@ def _moe_down_tiles_kernel(wtype, T, NCH):
     return moe_down_tiles
 
 
-@cuda.jit
+@_jit_capped(0)
 def _moe_sum_kernel(pair_out, n_tok, n_used, n_embd, out):
     """out[t, r] = sum over slots k (in order) of pair_out[t*n_used + k, r], as decode adds them."""
     pdl_enter()
@@ -3550,7 +3552,7 @@ def _moe_sum_kernel(pair_out, n_tok, n_used, n_embd, out):
     out[i] = acc
 
 
-@cuda.jit
+@_jit_capped(0)
 def _expert_offsets_kernel(expert_ids, n_used, base_gate, base_up, base_down, stride_gu,
                            stride_down, slot_offsets):
     pdl_enter()
@@ -3572,7 +3574,7 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
         int(stride_down), _flat(slot_offsets))
 
 
-@cuda.jit
+@_jit_capped(0)
 def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, to_repacked):
     """One block per row (grid-stride): the row into shared memory, then each byte to its place.
     The row's blocks are [2-byte f16 scale][payload bytes]. Position t of a repacked row holds:
@@ -3653,7 +3655,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        kernel = _cached(("moe_gu_halves", NSB, pre), lambda: _moe_gate_up_halves_kernel(NSB, pre))
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
@@ -3665,8 +3667,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         if repacked and not NSB:
             raise ValueError("_IQ2_REPACKED_GATE_UP needs _CONST_STEPS_GATE_UP (the row's super-block count)")
         pre = _PRE_GATE_UP
-        kernel = _cached(("moe_gu_dec", gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre),
-                         lambda: _moe_gate_up_decode_kernel(gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre))
+        kernel = _cached(_moe_gate_up_decode_kernel, gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre)
         tables = _iq2_selector_tables_device() if perm else _iq2_tables()
         shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
     rpb = _RPB_GATE_UP          # both kernels: the same grid, block and arguments
@@ -3687,16 +3688,14 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _R_DOWN_SLOTS and down_slots_applies(down_type, n_ff, n_used):
         R, NSB, regs = _R_DOWN_SLOTS, n_ff // 256, _REGS_DOWN_SLOTS
-        kernel = _cached(("moe_down_slots", down_type, NSB, R, regs),
-                         lambda: _moe_down_decode_slots_kernel(down_type, NSB, R, regs))
+        kernel = _cached(_moe_down_decode_slots_kernel, down_type, NSB, R, regs)
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), 4 * n_used * R](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))
         return
     NCH = _nch(n_ff)
     NW, regs = _NW_DOWN, _REGS_DOWN
-    kernel = _cached(("moe_down_dec", down_type, NCH, NW, regs),
-                     lambda: _moe_down_decode_kernel(down_type, NCH, NW, regs))
+    kernel = _cached(_moe_down_decode_kernel, down_type, NCH, NW, regs)
     kernel[(n_embd + NW - 1) // NW, NW * WARP, _stream(stream), _shmem_x(down_type, n_used, n_ff)](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md),
         _flat(mbs) if mbs is not None else _dummy_i32(), n_ff // 256,
@@ -3811,7 +3810,7 @@ _GROUP_MAX_EXP = 1024      # experts per layer the one-block grouping kernel can
 _GROUP_THREADS = 1024
 
 
-@cuda.jit
+@_jit_capped(0)
 def _group_tiles_kernel(ids, n_pairs, n_used, n_exp, table, T, rank, tile_off, tile_tok, tile_slot, tile_cnt):
     """group_tiles in one block: pairs counted per expert with shared-memory atomics (the count
     before a pair's increment is its rank in the expert's group), tiles numbered by expert, then
@@ -3898,12 +3897,12 @@ def _launch_moe_down_mma(a32, tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out
     (group_tiles): the staged kernel (any shape) or the direct one; the same bits either way."""
     NH, nsb = _MMA_HALVES_DN, n_ff // 256
     if staged:
-        dn = _cached(("moe_down_tiles_staged", NH, nsb), lambda: _moe_down_tiles_staged_kernel(NH, nsb))
+        dn = _cached(_moe_down_tiles_staged_kernel, NH, nsb)
         rows = 16 * _DN_ST_WARPS
         dn[((n_embd + rows - 1) // rows, tiles[3].size), _DN_ST_WARPS * WARP, s](
             a32, *tiles, n_used, _as_i64(mq), md, n_embd, pair_out)
     else:
-        dn = _cached(("moe_down_tiles_mma", NH), lambda: _moe_down_tiles_mma_kernel(NH))
+        dn = _cached(_moe_down_tiles_mma_kernel, NH)
         _tile_launch(dn, n_embd, tiles, True, s)(
             a32, *tiles, n_used, _as_i64(mq), md, mbs, nsb, F.row_bytes(F.Q2_K, n_ff), n_embd, pair_out)
 
@@ -3951,19 +3950,18 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
     quantize_q8_k(X, xq, xd, xbs, s)
     if mma_gu and _MMA_STAGED_GU and gate_up_staged_applies(n_embd):
         NH = _MMA_HALVES_GU
-        gu = _cached(("moe_gu_tiles_staged", NH), lambda: _moe_gate_up_tiles_staged_kernel(NH))
+        gu = _cached(_moe_gate_up_tiles_staged_kernel, NH)
         gu[((n_ff + _GU_ST_ROWS - 1) // _GU_ST_ROWS, gu_tiles[3].size), 8 * WARP, s](
             a32, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w),
             np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, *_iq2_selector_tables_device())
     elif mma_gu:
-        gu = _cached(("moe_gu_tiles_mma", _MMA_HALVES_GU), lambda: _moe_gate_up_tiles_mma_kernel(_MMA_HALVES_GU))
+        gu = _cached(_moe_gate_up_tiles_mma_kernel, _MMA_HALVES_GU)
         _tile_launch(gu, n_ff, gu_tiles, True, s)(
             a16, *gu_tiles, n_used, _as_i64(xq), xd, n_embd // 256, _flat(route_w), np.float32(clamp), n_ff,
             F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
     else:
         NCH = _nch(n_embd)
-        gu = _cached(("moe_gu_tiles", gate_type, T, NCH),
-                     lambda: _moe_gate_up_tiles_kernel(gate_type, T, NCH))
+        gu = _cached(_moe_gate_up_tiles_kernel, gate_type, T, NCH)
         _tile_launch(gu, n_ff, tiles, False, s, _shmem_x(gate_type, T, n_embd))(
             a16, a32, *tiles, n_used, _as_i32(xq), xd, xbs, n_embd // 256,
             _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), mid, grid_g, ks_g)
@@ -3972,8 +3970,7 @@ def moe_prefill(arena, expert_table, gate_type, down_type, n_embd, n_ff, X, expe
         _launch_moe_down_mma(a32, mma_tiles, n_used, n_ff, n_embd, mq, md, mbs, pair_out, s, _MMA_STAGED_DN)
     else:
         NCH = _nch(n_ff)
-        dn = _cached(("moe_down_tiles", down_type, T, NCH),
-                     lambda: _moe_down_tiles_kernel(down_type, T, NCH))
+        dn = _cached(_moe_down_tiles_kernel, down_type, T, NCH)
         _tile_launch(dn, n_embd, tiles, False, s, _shmem_x(down_type, T, n_ff))(
             a16, a32, *tiles, n_used, _as_i32(mq), md, mbs, n_ff // 256,
             F.row_bytes(down_type, n_ff), n_embd, pair_out, grid_g, ks_g)

@@ -293,6 +293,23 @@ def test_warm_up_leaves_no_trace(model, regime):
     sc.close()
 
 
+def test_recorded_kernels_rebuild_in_workers(model):
+    """What kernels/precompile.py records of an engine's kernels (after a warm-up and a step: all
+    it launches) is rebuilt and compiled by worker processes without a failure, each function's
+    kernels in one worker: the manifest names every kernel the way a fresh process can build it."""
+    from ds4py.kernels import precompile
+    engine, source = _engine(model, "device")
+    engine.warm_up()
+    engine.decode(_tokens(1)[0])
+    kernels = precompile.built_kernels()
+    kinds = {e["kind"] for e in kernels}
+    assert {"factory", "ops"} <= kinds and len(kernels) >= 40, (kinds, len(kernels))
+    done = []
+    seconds, failures = precompile.compile_in_workers(kernels, 4, on_done=done.append)
+    assert failures == [] and len(done) == len(kernels)
+    source.close()
+
+
 @pytest.mark.parametrize("regime", ["device", "page-cache"])
 def test_pipelined_greedy_run_equals_token_by_token(model, regime):
     """decode_greedy_run launches step k + 1 before it reads token k (the token and position

@@ -1,0 +1,75 @@
+"""kernels/precompile.py without a GPU: argument types as JSON, the manifest's keys and files, the
+split over workers, and a worker's report of a kernel it cannot build (the GPU side:
+test_forward_cuda.py::test_recorded_kernels_rebuild_in_workers)."""
+
+import json
+
+import pytest
+from numba.core import types
+
+from ds4py import synth
+from ds4py.kernels import precompile as P
+
+
+@pytest.mark.parametrize("t", [types.Array(types.float32, 1, "C"), types.Array(types.int8, 2, "C"),
+                               types.Array(types.float32, 2, "A"), types.Array(types.uint32, 1, "C", readonly=True),
+                               types.Array(types.float64, 3, "C"), types.int64, types.float32, types.float64,
+                               types.uint32, types.boolean])
+def test_argument_types_survive_json(t):
+    j = P.type_to_json(t)
+    assert P.type_from_json(json.loads(json.dumps(j))) == t
+
+
+def test_other_argument_kinds_are_left_out():
+    assert P.type_to_json(types.UniTuple(types.int64, 2)) is None
+
+
+def test_shape_key_follows_dimensions_and_types_not_depth():
+    tiny, flash = synth.preset_spec("tiny"), synth.preset_spec("flash")
+    q2 = (8, 10, 16, 1, 0)
+    assert P.shape_key(tiny, q2) != P.shape_key(flash, q2)
+    deeper = type(flash)(**{**vars(flash), "n_layer": flash.n_layer + 1})
+    assert P.shape_key(deeper, q2) == P.shape_key(flash, q2)
+    assert P.shape_key(flash, q2 + (12,)) != P.shape_key(flash, q2)
+
+
+def _entry(name, n, kind="factory"):
+    return {"kind": kind, "name": name, "args": [n], "sig": [["scalar", "int64"]]}
+
+
+def test_manifest_records_merges_and_marks_the_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(P, "SHIPPED", tmp_path / "shipped.json")
+    assert P.manifest_for("k") == [] and not P.compiled_for_these_sources("k")
+    P.record("k", kernels=[_entry("f", 1)])
+    assert P.manifest_for("k") == [_entry("f", 1)] and P.compiled_for_these_sources("k")
+    P.record("k", kernels=[_entry("f", 1), _entry("g", 2)])          # only the new one is added
+    assert P.manifest_for("k") == [_entry("f", 1), _entry("g", 2)]
+    # the package's manifest serves a shape the user has not run; a digest change re-arms the workers
+    (tmp_path / "shipped.json").write_text(json.dumps({"version": P.VERSION, "shapes": {"s": [_entry("h", 3)]}}))
+    assert P.manifest_for("s") == [_entry("h", 3)] and not P.compiled_for_these_sources("s")
+    monkeypatch.setattr(P, "SOURCES_DIGEST", "another")
+    assert not P.compiled_for_these_sources("k")
+    P.record("k", kernels=[])
+    assert P.compiled_for_these_sources("k") and len(P.manifest_for("k")) == 2
+    (tmp_path / "ds4py" / "kernel-manifest.json").write_text("not json")   # a broken file is no manifest
+    assert P.manifest_for("k") == [] and not P.compiled_for_these_sources("k")
+
+
+def test_split_keeps_each_function_in_one_worker():
+    kernels = [_entry("f", i) for i in range(5)] + [_entry("g", i) for i in range(3)] + \
+              [_entry("hc_pre", 0, "ops"), _entry("embed", 0, "ops")]
+    bins = P.split_for_workers(kernels, 3)
+    assert len(bins) == 3 and sorted(map(len, bins)) == [2, 3, 5]
+    assert sorted(json.dumps(e) for b in bins for e in b) == sorted(json.dumps(e) for e in kernels)
+    for name in ("f", "g"):
+        assert sum(any(e["name"] == name for e in b) for b in bins) == 1
+    assert len(P.split_for_workers(kernels, 64)) == 4 and len(P.split_for_workers(kernels[:1], 0)) == 1
+
+
+def test_a_worker_reports_what_it_cannot_build():
+    """A factory that no longer exists: the worker says so on one line and the rest goes on."""
+    done = []
+    seconds, failures = P.compile_in_workers([_entry("_no_such_factory", 1)], 2, on_done=done.append)
+    assert done == [] and len(failures) == 1
+    assert failures[0].startswith("failed factory _no_such_factory: AttributeError")
