@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# First-run compile times on the device (carry [".whl"]): the tiny model's first run with an empty
+# kernel cache (serial compile at first use; records the manifest), the same after a simulated
+# upgrade (cache emptied, manifest kept: worker processes compile ahead), then with everything
+# cached; the same for the flash preset when FLASH=1. The manifests land in $OUT.
+source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
+export XDG_CACHE_HOME=/tmp/xdg PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+MAN=$XDG_CACHE_HOME/ds4py/kernel-manifest.json
+empty_cache() { find kernels -name "*.nbi" -delete; find kernels -name "*.nbc" -delete; }
+forget_compiled() { python3 - "$MAN" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); d["compiled"] = {}; json.dump(d, open(sys.argv[1], "w"))
+PY
+}
+timed() { local t0=$(date +%s%N); "$@" 2>&1 | grep -v Warn | tail -6; echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"; }
+run_once() { timed ds4py run ${MODEL:+-m $MODEL} -p "Ciao, come stai?" -n 8 --temp 0 "$@"; }
+empty_cache; rm -f $MAN
+echo "== tiny: empty cache, no manifest"; run_once
+cp $MAN $OUT/manifest_after_tiny.json
+empty_cache; forget_compiled
+echo "== tiny: empty cache, manifest (workers)"; run_once
+echo "== tiny: all cached"; run_once
+if [ -n "${FLASH:-}" ]; then
+  python3 -c "from ds4py import synth; synth.build_model('/tmp/flash.gguf', 'flash', 'per-role', 0)"
+  export MODEL=/tmp/flash.gguf
+  empty_cache
+  echo "== flash: empty cache, no manifest for its shape"; run_once
+  cp $MAN $OUT/manifest_after_flash.json
+  empty_cache; forget_compiled
+  echo "== flash: empty cache, manifest (workers)"; run_once
+  echo "== flash: all cached"; run_once
+fi
