@@ -77,8 +77,8 @@ def _dispatchers():
         yield {"kind": "factory", "name": key[0], "args": [_plain(a) for a in key[1:]]}, disp
     for module, kind in ((CK, "cuda"), (ops, "ops")):
         for name, obj in sorted(vars(module).items()):
-            if isinstance(obj, CUDADispatcher):
-                yield {"kind": kind, "name": name}, obj
+            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):
+                yield {"kind": kind, "name": name}, obj     # kernels (device functions compile inside them)
 
 
 def built_kernels() -> list[dict]:
