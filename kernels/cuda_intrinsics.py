@@ -258,7 +258,8 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
 else:
     from llvmlite import ir
-    from numba import types
+    from numba.core import types      # the module itself: numba.types is a redirect that pickles by
+                                      # value in some import orders, and kernel cache keys pickle closures
     from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 

@@ -2320,7 +2320,7 @@ def _attention_combine_kernel(SPLITS):
     SPLITS values each: 143 registers for the decode's 24, which a prefill of one split does not
     need; the one-split kernel runs at full occupancy)."""
 
-    @cuda.jit
+    @cached_jit()
     def attention_combine(part_max_all, part_den_all, part_acc_all, w32, sinks_off, pos_buf, head_dim,
                           n_rot, freqs, n_group, out, out_q, out_d):
         """Sink attention, second half: merge the splits of each head with its sink logit, which joins

@@ -11,6 +11,10 @@ are missing for ds4py's kernels:
   one kernel with two caps (kbench sweeps them) would load each other's code. The key here holds
   them.
 
+The closure pickle is why kernels/cuda_intrinsics.py imports `numba.core.types`, not `numba.types`
+(a redirect module that pickles by value in some import orders: keys then depended on what a
+process had imported first). DS4PY_CACHE_KEY_LOG=1 prints each key's parts (hashed) on stderr.
+
 A GPU `ds4py run` compiled ~41 s of kernels in every process without the cache, 3.2 s of loading
 with it (H200, tiny model). Entries of an older digest stay on disk until the file defining the
 kernel changes (numba then rewrites its index); `find kernels -name "*.nb[ic]" -delete` clears them.
@@ -35,6 +39,7 @@ def sources_digest(folder: Path) -> str:
 
 
 SOURCES_DIGEST = sources_digest(Path(__file__).resolve().parent)
+_KEY_LOG = bool(__import__("os").environ.get("DS4PY_CACHE_KEY_LOG"))    # diagnostics: each key's parts
 
 if not SIMULATOR:
     from numba.cuda.dispatcher import CUDACache
@@ -47,8 +52,13 @@ if not SIMULATOR:
             super().__init__(py_func)
 
         def _index_key(self, sig, codegen):
-            return super()._index_key(sig, codegen) + (
+            key = super()._index_key(sig, codegen) + (
                 ("ds4py kernels", SOURCES_DIGEST), ("options", repr(self.options)))
+            if _KEY_LOG:
+                import sys
+                parts = " ".join(hashlib.sha256(repr(p).encode()).hexdigest()[:8] for p in key)
+                print(f"[cache-key] {self._py_func.__qualname__} {parts}", file=sys.stderr, flush=True)
+            return key
 
 
 def cached_jit(max_registers: int = 0, **options):

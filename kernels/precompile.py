@@ -50,7 +50,7 @@ def shape_key(spec, tensor_types) -> str:
 def type_to_json(t):
     """A numba argument type as a JSON list, or None for a kind this module does not rebuild."""
     from numba.core import types
-    if isinstance(t, types.Array) and isinstance(t.dtype, (types.Integer, types.Float, types.Boolean)):
+    if isinstance(t, types.Array) and isinstance(t.dtype, (types.Integer, types.Float, types.Complex, types.Boolean)):
         return ["array", str(t.dtype), t.ndim, t.layout, not t.mutable]
     if isinstance(t, (types.Integer, types.Float, types.Boolean)):
         return ["scalar", str(t)]
@@ -85,10 +85,12 @@ def built_kernels() -> list[dict]:
     """One entry per (kernel, argument types) this process has compiled or loaded."""
     entries = []
     for entry, disp in _dispatchers():
+        py = disp.py_func
+        fn = f"{py.__module__}.{py.__qualname__}:{py.__code__.co_firstlineno}"   # its cache index file
         for sig in list(disp.overloads):
             sig_json = [type_to_json(t) for t in sig]
             if all(j is not None for j in sig_json):
-                entries.append(dict(entry, sig=sig_json))
+                entries.append(dict(entry, fn=fn, sig=sig_json))
     return entries
 
 
@@ -104,9 +106,10 @@ def _dispatcher_for(entry):
     return getattr(CK if entry["kind"] == "cuda" else ops, entry["name"])
 
 
-def _group(entry) -> tuple:
-    """Entries whose kernels share a numba cache index file (one Python function)."""
-    return (entry["kind"], entry["name"])
+def _group(entry):
+    """Entries whose kernels share a numba cache index file: one Python function (two module
+    kernels may come from one factory function, attention_combine and attention_combine_one)."""
+    return entry.get("fn") or (entry["kind"], entry["name"])
 
 
 # ---- manifests -------------------------------------------------------------------------------------
@@ -155,6 +158,9 @@ def record(key: str, path: Path | None = None, kernels: list[dict] | None = None
         pass
 
 
+_WORKER_STDERR = None if os.environ.get("DS4PY_COMPILE_DEBUG") else subprocess.DEVNULL
+
+
 def default_jobs() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
@@ -185,10 +191,12 @@ def compile_in_workers(kernels: list[dict], jobs: int, on_done=None) -> tuple[fl
             job = Path(tmp) / f"part{i}.json"
             job.write_text(json.dumps(part))
             procs.append(subprocess.Popen([sys.executable, "-m", "ds4py.kernels.precompile", str(job)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                                          stdout=subprocess.PIPE, stderr=_WORKER_STDERR, text=True))
 
         def read(proc):
             for line in proc.stdout:
+                if _WORKER_STDERR is None:
+                    print("[worker]", line.rstrip(), file=sys.stderr, flush=True)
                 if line.startswith("ok") and on_done:
                     on_done(1)
                 elif line.startswith("failed"):
@@ -210,8 +218,10 @@ def _worker(job: Path) -> int:
     from . import compat  # noqa: F401  (the numpy shim before the first CUDA compile)
     for entry in json.loads(job.read_text()):
         try:
-            _dispatcher_for(entry).compile(tuple(type_from_json(j) for j in entry["sig"]))
-            print("ok", flush=True)
+            disp = _dispatcher_for(entry)
+            hits = sum(disp._cache_hits.values())
+            disp.compile(tuple(type_from_json(j) for j in entry["sig"]))
+            print("ok", entry["name"], "loaded" if sum(disp._cache_hits.values()) > hits else "compiled", flush=True)
         except Exception as e:           # a renamed factory, a changed signature: built lazily instead
             print(f"failed {entry['kind']} {entry['name']}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                   flush=True)

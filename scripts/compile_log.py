@@ -24,12 +24,14 @@ def _install() -> None:
 
     def logged_compile(self, sig):
         n_before = len(self.overloads)
+        hits = sum(getattr(self, "_cache_hits", {}).values())
         t = time.perf_counter()
         result = compile_sig(self, sig)
         if len(self.overloads) > n_before:          # a new overload: compiled or loaded
             dt = time.perf_counter() - t
             name = self.py_func.__name__
-            print(f"[compile] {time.perf_counter() - T0:8.2f} s  {dt:6.2f} s  {PHASE[0]:15s} {name}",
+            how = "loaded" if sum(getattr(self, "_cache_hits", {}).values()) > hits else "COMPILED"
+            print(f"[compile] {time.perf_counter() - T0:8.2f} s  {dt:6.2f} s  {PHASE[0]:15s} {how:8s} {name}",
                   file=sys.stderr, flush=True)
             if PHASE[0] == "after warm-up":
                 LATE.append((name, dt))

@@ -13,17 +13,17 @@ import json, sys
 d = json.load(open(sys.argv[1])); d["compiled"] = {}; json.dump(d, open(sys.argv[1], "w"))
 PY
 }
-show() { grep -v Warn | grep -E "compil|t/s|rror" | grep -vE "^\[compile\] +[0-9.]+ s +0\.[01]" | tail -${LINES_SHOWN:-8}; }
+show() { grep -v Warn | grep -E "compil|COMPIL|t/s|rror|worker\]|cache-key\] ${KEY_PAT:-none}" | grep -vE "loaded" | tail -${LINES_SHOWN:-8}; }
 run_once() { local t0=$(date +%s%N)
   ${RUNNER:-ds4py} run ${MODEL:+-m $MODEL} -p "Ciao, come stai?" -n 8 --temp 0 2>&1 | show
   echo "wall $(( ($(date +%s%N) - t0) / 1000000 )) ms"; }
-logged() { RUNNER="python3 scripts/compile_log.py" LINES_SHOWN=40 run_once; }
+logged() { DS4PY_COMPILE_DEBUG=1 RUNNER="python3 scripts/compile_log.py" LINES_SHOWN=60 run_once; }
 empty_cache; rm -f $MAN
 echo "== tiny: empty cache, no manifest"; run_once
 cp $MAN $OUT/manifest_after_tiny.json
 empty_cache; forget_compiled
 echo "== tiny: empty cache, manifest (workers)"; logged
-echo "== tiny: all cached"; run_once
+echo "== tiny: all cached"; logged
 if [ -n "${FLASH:-}" ]; then
   python3 -c "from ds4py import synth; synth.build_model('/tmp/flash.gguf', 'flash', 'per-role', 0)"
   export MODEL=/tmp/flash.gguf
@@ -32,5 +32,5 @@ if [ -n "${FLASH:-}" ]; then
   cp $MAN $OUT/manifest_after_flash.json
   empty_cache; forget_compiled
   echo "== flash: empty cache, manifest (workers)"; logged
-  echo "== flash: all cached"; run_once
+  echo "== flash: all cached"; logged
 fi

@@ -13,7 +13,7 @@ from ds4py.kernels import precompile as P
 
 @pytest.mark.parametrize("t", [types.Array(types.float32, 1, "C"), types.Array(types.int8, 2, "C"),
                                types.Array(types.float32, 2, "A"), types.Array(types.uint32, 1, "C", readonly=True),
-                               types.Array(types.float64, 3, "C"), types.int64, types.float32, types.float64,
+                               types.Array(types.float64, 3, "C"), types.Array(types.complex64, 1, "C"), types.int64, types.float32, types.float64,
                                types.uint32, types.boolean])
 def test_argument_types_survive_json(t):
     j = P.type_to_json(t)
@@ -56,6 +56,15 @@ def test_manifest_records_merges_and_marks_the_sources(tmp_path, monkeypatch):
     assert P.manifest_for("k") == [] and not P.compiled_for_these_sources("k")
 
 
+def test_split_groups_by_function_when_known():
+    """Two module kernels built by one factory function share its cache index: one worker."""
+    a = dict(_entry("attention_combine", 0, "ops"), fn="m.f:1")
+    b = dict(_entry("attention_combine_one", 0, "ops"), fn="m.f:1")
+    c = dict(_entry("hc_pre", 0, "ops"), fn="m.g:9")
+    bins = P.split_for_workers([a, b, c], 8)
+    assert len(bins) == 2 and any(a in x and b in x for x in bins)
+
+
 def test_split_keeps_each_function_in_one_worker():
     kernels = [_entry("f", i) for i in range(5)] + [_entry("g", i) for i in range(3)] + \
               [_entry("hc_pre", 0, "ops"), _entry("embed", 0, "ops")]
@@ -73,3 +82,28 @@ def test_a_worker_reports_what_it_cannot_build():
     seconds, failures = P.compile_in_workers([_entry("_no_such_factory", 1)], 2, on_done=done.append)
     assert done == [] and len(failures) == 1
     assert failures[0].startswith("failed factory _no_such_factory: AttributeError")
+
+
+_KEY_SCRIPT = """
+import hashlib, sys
+if sys.argv[1] == "engine-first":
+    import ds4py.forward_cuda, ds4py.cli  # noqa: F401  (the order `ds4py run` and scripts import in)
+from numba.core.serialize import dumps
+from ds4py.kernels import cuda as CK, cuda_ops as ops
+for k in (CK._cached(CK._q8_0_kernel, 1, 1, 4, False, True), ops.attention_combine):
+    cells = tuple(c.cell_contents for c in k.py_func.__closure__)
+    print(hashlib.sha256(dumps(cells)).hexdigest())
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_import_order():
+    """numba keys a cached kernel by a pickle of its closure, which reaches the intrinsics' code:
+    had they named `numba.types` (a redirect module, pickled by value in some import orders) a
+    process importing the engine first would miss every kernel a compile worker cached."""
+    import subprocess
+    import sys
+    runs = [subprocess.run([sys.executable, "-c", _KEY_SCRIPT, order], capture_output=True, text=True)
+            for order in ("kernels-first", "engine-first")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert runs[0].stdout.split() == runs[1].stdout.split() and len(runs[0].stdout.split()) == 2
