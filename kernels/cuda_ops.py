@@ -2082,7 +2082,7 @@ def _attention_prefill_mma_kernel(PREFETCH):
     tile's P·V (255 registers, 8 bytes spilled outside the tile loop), else at the tile's start
     with the others (240 registers, no spill)."""
 
-    @cuda.jit(**ATTN_MMA_JIT)
+    @cached_jit(**ATTN_MMA_JIT)
     def attention_prefill_mma(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
                               use_selected, part_max_all, part_den_all, part_acc_all):
         """attention_partial's partials with one split (part_max/part_den [T, n_head, 1], part_acc

@@ -107,3 +107,15 @@ def test_kernel_cache_keys_do_not_depend_on_import_order():
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
     assert runs[0].stdout.split() == runs[1].stdout.split() and len(runs[0].stdout.split()) == 2
+
+
+def test_every_module_kernel_is_disk_cached():
+    """A kernel built with plain cuda.jit compiles again in every process (attention_combine and
+    attention_prefill_mma did: ~4 s of each flash run) and its workers' output would be lost."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from ds4py.kernels import cuda as CK, cuda_ops as ops
+    kernels = {f"{m.__name__}.{n}": o for m in (CK, ops) for n, o in vars(m).items()
+               if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device")}
+    assert len(kernels) > 30
+    assert [n for n, k in kernels.items() if type(k._cache).__name__ != "KernelCache"] == []
