@@ -119,3 +119,27 @@ def test_every_module_kernel_is_disk_cached():
                if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device")}
     assert len(kernels) > 30
     assert [n for n, k in kernels.items() if type(k._cache).__name__ != "KernelCache"] == []
+
+
+def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_model, tmp_path, monkeypatch):
+    """kernels/manifest.json (recorded on the H200 by `ds4py run` on the embedded tiny model and
+    the flash preset, ds4's q2 shapes) names kernels that exist, with as many argument types as
+    each kernel takes: a renamed factory or a changed kernel signature makes it stale (re-record it
+    with scripts/device-precompile.sh)."""
+    from ds4py.engine import kernel_key
+    from ds4py.io.spec import open_model
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no user manifest in the way
+    model = open_model(tiny_model)
+    try:
+        tiny_key = kernel_key(model)
+        types_ = [t.ggml_type for t in model.file.tensors.values()]
+    finally:
+        model.close()
+    flash_key = P.shape_key(synth.preset_spec("flash"), types_)
+    for key in (tiny_key, flash_key):
+        kernels = P.manifest_for(key)
+        assert len(kernels) >= 40, key
+        for e in kernels:
+            disp = P._dispatcher_for(e)
+            assert disp.py_func.__code__.co_argcount == len(e["sig"]), e["name"]
+            assert all(P.type_from_json(j) is not None for j in e["sig"])
