@@ -294,8 +294,9 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
     expert_slot_bytes, n_ctx, kv_bytes, scratch_bytes}; options [{option, value, source, env}]
     (source: flag | env | default); notes [str]; decision {regime, forced, reasons, warnings,
     vram_budget, ram_budget, arena_limit, expert_cache_slots, expert_cache_bytes, direct_io,
-    drop_pages, runner_up, alternatives [{regime, flag, verdict}]} or null with refusal: str.
-    All sizes are bytes."""
+    drop_pages, runner_up, alternatives [{regime, flag, verdict}]} or null with refusal: str;
+    kernels {key, recorded, cached, jobs, ahead} for a GPU regime (ds4py.engine.kernel_plan), else
+    null. All sizes are bytes."""
     from dataclasses import asdict
 
     from ds4py.io import machine
@@ -309,12 +310,16 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
         report = {"machine": {k: v for k, v in measured.as_dict().items() if k != "model"},
                   "model": {**measured.as_dict()["model"], "n_ctx": weights.n_ctx,
                             "kv_bytes": facts.model.kv_bytes, "scratch_bytes": facts.model.scratch_bytes},
-                  "options": weights.table(), "notes": list(weights.notes), "decision": None, "refusal": None}
+                  "options": weights.table(), "notes": list(weights.notes), "decision": None, "refusal": None,
+                  "kernels": None}
         try:
             d = decide(facts, weights.to_request())
         except Refusal as e:
             report["refusal"] = str(e)
             return report
+        if d.regime != "cpu":
+            from ds4py.engine import kernel_plan
+            report["kernels"] = kernel_plan(model, weights.compile_jobs)
         report["decision"] = {
             "regime": d.regime, "forced": d.forced, "reasons": list(d.reasons), "warnings": list(d.warnings),
             "vram_budget": d.vram_budget, "ram_budget": d.ram_budget, "arena_limit": d.arena_limit,
@@ -399,6 +404,9 @@ def print_probe(r: dict) -> None:
         out.print(f"  [yellow]warning[/]: {warning}", soft_wrap=True)
     if d["runner_up"]:
         out.print(f"  runner-up: {REGIME_TITLES[d['runner_up']]}")
+    if r["kernels"]:
+        from ds4py.engine import kernel_plan_text
+        out.print(f"  CUDA kernels: {kernel_plan_text(r['kernels'])}")
     alts = Table(title="other regimes", show_header=True)
     for col in ("regime", "force with", "verdict"):
         alts.add_column(col)

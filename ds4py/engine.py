@@ -36,16 +36,39 @@ def kernel_key(model) -> str:
     return precompile.shape_key(model.spec, (t.ggml_type for t in model.file.tensors.values()))
 
 
-def compile_ahead(model, jobs: int, *, progress=True, log=None) -> None:
-    """The CUDA kernels a model of this shape built in an earlier run (or the package's manifest
-    lists), compiled into the disk cache by `jobs` worker processes (0: auto) unless they are
-    already there; a first run of a new shape compiles at first use, as before."""
+def kernel_plan(model, jobs: int) -> dict:
+    """What a GPU run of this model will do about its CUDA kernels (`probe` prints it): key, the
+    kernels a manifest records for its shape, whether the cache holds them for these sources, the
+    worker count (jobs 0: auto), and whether workers compile them ahead ("ahead")."""
     from ds4py.kernels import precompile
     key = kernel_key(model)
-    kernels = precompile.manifest_for(key)
+    recorded = len(precompile.manifest_for(key))
+    cached = precompile.compiled_for_these_sources(key)
     jobs = jobs or precompile.default_jobs()
-    if jobs == 1 or not kernels or precompile.compiled_for_these_sources(key):
+    return {"key": key, "recorded": recorded, "cached": cached, "jobs": jobs,
+            "ahead": recorded > 0 and not cached and jobs > 1}
+
+
+def kernel_plan_text(plan: dict) -> str:
+    if plan["cached"]:
+        return "in the disk cache for these kernel sources (loaded in seconds)"
+    if plan["ahead"]:
+        return f"{plan['recorded']} kernels compiled ahead in {plan['jobs']} processes before the weights load"
+    if plan["recorded"]:
+        return f"{plan['recorded']} recorded kernels compiled at first use (--compile-jobs 1)"
+    return "a shape not run before: compiled at first use (about a minute, once)"
+
+
+def compile_ahead(model, jobs: int, *, progress=True, log=None) -> None:
+    """The CUDA kernels a model of this shape built in an earlier run (or the package's manifest
+    lists), compiled into the disk cache by worker processes unless they are already there (see
+    kernel_plan); a first run of a new shape compiles at first use."""
+    from ds4py.kernels import precompile
+    plan = kernel_plan(model, jobs)
+    if not plan["ahead"]:
         return
+    key, jobs = plan["key"], plan["jobs"]
+    kernels = precompile.manifest_for(key)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _count_bar(progress, f"compiling kernels ({jobs} processes)", len(kernels)) as advance:
         seconds, failures = precompile.compile_in_workers(kernels, jobs, on_done=advance)

@@ -211,7 +211,8 @@ def test_probe_json_is_documented_shape(tiny_model):
     r = _cli("probe", "-m", str(tiny_model), "--json", "--gpu-vram", "0")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal"}
+    assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal", "kernels"}
+    assert report["kernels"] is None                   # the CPU engine compiles no CUDA kernel
     assert report["decision"]["regime"] == "cpu" and report["refusal"] is None
     assert report["model"]["kv_bytes"] > 0 and report["model"]["n_ctx"] == 32768
     opts = {o["option"]: o for o in report["options"]}

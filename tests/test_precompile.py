@@ -143,3 +143,22 @@ def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_mo
             disp = P._dispatcher_for(e)
             assert disp.py_func.__code__.co_argcount == len(e["sig"]), e["name"]
             assert all(P.type_from_json(j) is not None for j in e["sig"])
+
+
+def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypatch):
+    """probe's "CUDA kernels" line: ahead in workers for a known shape, nothing once the cache
+    holds the shape for these sources, at first use with --compile-jobs 1."""
+    from ds4py.engine import kernel_plan, kernel_plan_text
+    from ds4py.io.spec import open_model
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = open_model(tiny_model)
+    try:
+        plan = kernel_plan(model, 4)
+        assert plan["ahead"] and plan["recorded"] >= 40 and plan["jobs"] == 4 and not plan["cached"]
+        assert "compiled ahead in 4 processes" in kernel_plan_text(plan)
+        assert not kernel_plan(model, 1)["ahead"]
+        P.record(plan["key"], kernels=[])
+        plan = kernel_plan(model, 4)
+        assert plan["cached"] and not plan["ahead"] and "disk cache" in kernel_plan_text(plan)
+    finally:
+        model.close()
