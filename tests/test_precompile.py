@@ -162,3 +162,33 @@ def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypat
         assert plan["cached"] and not plan["ahead"] and "disk cache" in kernel_plan_text(plan)
     finally:
         model.close()
+
+
+def test_compile_ahead_runs_the_workers_once_per_sources(tiny_model, tmp_path, monkeypatch):
+    """engine.compile_ahead with the workers replaced: the shipped kernels of the tiny shape go to
+    `jobs` workers with one line said; the shape is then marked compiled and the next call starts
+    none; a worker failure is said and leaves the shape unmarked (the next run tries again)."""
+    from ds4py import engine
+    from ds4py.io.spec import open_model
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls, lines = [], []
+    result = {"failures": ["failed factory _q8_0_kernel: RuntimeError: boom"]}
+
+    def fake(kernels, jobs, on_done=None):
+        calls.append((len(kernels), jobs))
+        return 2.5, list(result["failures"])
+
+    monkeypatch.setattr(P, "compile_in_workers", fake)
+    model = open_model(tiny_model)
+    try:
+        engine.compile_ahead(model, 3, progress=False, log=lines.append)
+        assert calls and calls[0][1] == 3 and calls[0][0] >= 40
+        assert "in 3 processes" in lines[0] and "1 kernels will compile at first use" in lines[1]
+        assert not P.compiled_for_these_sources(engine.kernel_key(model))
+        result["failures"] = []
+        engine.compile_ahead(model, 3, progress=False, log=lines.append)
+        assert len(calls) == 2 and P.compiled_for_these_sources(engine.kernel_key(model))
+        engine.compile_ahead(model, 3, progress=False, log=lines.append)
+        assert len(calls) == 2                              # cached for these sources: no workers
+    finally:
+        model.close()
