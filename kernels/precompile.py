@@ -151,7 +151,7 @@ def record(key: str, path: Path | None = None, kernels: list[dict] | None = None
             shapes[key] = shapes.get(key, []) + new
         data.setdefault("compiled", {})[key] = SOURCES_DIGEST
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")       # two runs closing at once: each its own file
         tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
         tmp.replace(path)
     except Exception:             # an unwritable cache, an argument JSON cannot hold: no manifest
