@@ -3,6 +3,8 @@
 The data flow of the design: the model (io.spec) and the machine facts go to the detector, which
 picks the regime; the weight source for that regime is opened (io.sources); the CPU engine runs on
 the mmap, the CUDA engine on the source's device arena. The engine never learns the regime.
+Between the decision and the source, a GPU run has worker processes compile the CUDA kernels a
+model of its shape needs (kernels/precompile.py), unless the disk cache holds them already.
 """
 
 from __future__ import annotations
