@@ -23,6 +23,8 @@ kernel changes (numba then rewrites its index); `find kernels -name "*.nb[ic]" -
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 from numba import cuda
@@ -39,7 +41,7 @@ def sources_digest(folder: Path) -> str:
 
 
 SOURCES_DIGEST = sources_digest(Path(__file__).resolve().parent)
-_KEY_LOG = bool(__import__("os").environ.get("DS4PY_CACHE_KEY_LOG"))    # diagnostics: each key's parts
+_KEY_LOG = bool(os.environ.get("DS4PY_CACHE_KEY_LOG"))    # diagnostics: each key's parts
 
 if not SIMULATOR:
     from numba.cuda.dispatcher import CUDACache
@@ -55,7 +57,6 @@ if not SIMULATOR:
             key = super()._index_key(sig, codegen) + (
                 ("ds4py kernels", SOURCES_DIGEST), ("options", repr(self.options)))
             if _KEY_LOG:
-                import sys
                 parts = " ".join(hashlib.sha256(repr(p).encode()).hexdigest()[:8] for p in key)
                 print(f"[cache-key] {self._py_func.__qualname__} {parts}", file=sys.stderr, flush=True)
             return key

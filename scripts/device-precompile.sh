@@ -2,8 +2,9 @@
 # First-run compile times on the device (carry [".whl"]): the tiny model's first run with an empty
 # kernel cache (serial compile at first use; records the manifest), the same after a simulated
 # upgrade (cache emptied, manifest kept: worker processes compile ahead; this run goes through
-# scripts/compile_log.py, which lists what the run itself still compiled, >= 0.2 s), then with
-# everything cached; the same for the flash preset when FLASH=1. The manifests land in $OUT.
+# scripts/compile_log.py, which lists each kernel the run itself still COMPILED rather than
+# loaded), then with everything cached; the same for the flash preset when FLASH=1. The manifests
+# land in $OUT. KEY_PAT with DS4PY_CACHE_KEY_LOG=1 shows the cache keys of matching kernels.
 source scripts/device-prelude.sh >/dev/null 2>&1 || exit 1
 export XDG_CACHE_HOME=/tmp/xdg PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 MAN=$XDG_CACHE_HOME/ds4py/kernel-manifest.json
