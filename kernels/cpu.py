@@ -13,6 +13,8 @@ Inside a block the dot product is an exact integer; across blocks it is summed i
 order. Rows are independent, so matmul (many tokens) gives bit-identical rows to matvec.
 """
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
@@ -272,20 +274,29 @@ def _prepare(wtype, x, xq, xd, xbs):
 # matvec / matmul
 # --------------------------------------------------------------------------------------------
 
-@njit(parallel=True, cache=True)
-def _matmul_kernel(w, wtype, X, out, lut, grid, ksigns):
-    n_tok, K = X.shape
-    rows = w.shape[0]
-    xq = np.empty((n_tok, K), np.int8)
-    xd = np.empty((n_tok, K // 32), np.float32)
-    xbs = np.empty((n_tok, K // 16), np.int32)
-    for t in prange(n_tok):
-        _prepare(wtype, X[t], xq[t], xd[t], xbs[t])
-    # rows outer so that each weight row is read once and reused for every token
-    for r in prange(rows):
-        row = w[r]
-        for t in range(n_tok):
-            out[t, r] = _dot_row(wtype, row, X[t], xq[t], xd[t], xbs[t], lut, grid, ksigns)
+@functools.cache
+def _matmul_kernel(wtype):
+    """matmul's kernel for one weight type. The type is a closure constant, so numba builds only
+    that type's row dot: one kernel taking the type as an argument built all five, 4.6 s of a
+    first run's compile."""
+    WTYPE = int(wtype)
+
+    @njit(parallel=True, cache=True)
+    def matmul_kernel(w, X, out, lut, grid, ksigns):
+        n_tok, K = X.shape
+        rows = w.shape[0]
+        xq = np.empty((n_tok, K), np.int8)
+        xd = np.empty((n_tok, K // 32), np.float32)
+        xbs = np.empty((n_tok, K // 16), np.int32)
+        for t in prange(n_tok):
+            _prepare(WTYPE, X[t], xq[t], xd[t], xbs[t])
+        # rows outer so that each weight row is read once and reused for every token
+        for r in prange(rows):
+            row = w[r]
+            for t in range(n_tok):
+                out[t, r] = _dot_row(WTYPE, row, X[t], xq[t], xd[t], xbs[t], lut, grid, ksigns)
+
+    return matmul_kernel
 
 
 @njit(parallel=True, cache=True)
@@ -323,7 +334,7 @@ def matmul(w, ggml_type, X):
             wf = wf.copy()
         _matmul_f32_kernel(wf, X, out)
         return out
-    _matmul_kernel(w, np.int64(ggml_type), X, out, F16_TO_F32, _GRID, _KSIGNS)
+    _matmul_kernel(ggml_type)(w, X, out, F16_TO_F32, _GRID, _KSIGNS)
     return out
 
 
@@ -344,39 +355,47 @@ def _silu(z):
     return z / (np.float32(1.0) + np.exp(-z))
 
 
-@njit(parallel=True, cache=True)
-def _moe_kernel(gate_w, up_w, down_w, gate_type, down_type, X, ids, route_w, clamp, out,
-                lut, grid, ksigns):
-    n_tok, n_embd = X.shape
-    n_used = ids.shape[1]
-    n_ff = gate_w.shape[1]
-    for t in range(n_tok):
-        x = X[t]
-        xq = np.empty(n_embd, np.int8)
-        xd = np.empty(n_embd // 32, np.float32)
-        xbs = np.empty(n_embd // 16, np.int32)
-        _prepare(gate_type, x, xq, xd, xbs)
-        mid = np.empty((n_used, n_ff), np.float32)
-        for k in range(n_used):
-            e = ids[t, k]
-            wk = route_w[t, k]
-            for r in prange(n_ff):
-                g = _dot_row(gate_type, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
-                u = _dot_row(gate_type, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
-                g = min(g, clamp)
-                u = min(max(u, -clamp), clamp)
-                mid[k, r] = _silu(g) * u * wk
-        acc = np.zeros(n_embd, np.float32)
-        mq = np.empty(n_ff, np.int8)
-        md = np.empty(n_ff // 32, np.float32)
-        mbs = np.empty(n_ff // 16, np.int32)
-        for k in range(n_used):
-            e = ids[t, k]
-            _prepare(down_type, mid[k], mq, md, mbs)
-            for r in prange(n_embd):
-                acc[r] += _dot_row(down_type, down_w[e, r], mid[k], mq, md, mbs, lut, grid, ksigns)
-        for r in range(n_embd):
-            out[t, r] = acc[r]
+@functools.cache
+def _moe_kernel(gate_type, down_type):
+    """moe_batch's kernel for one pair of expert types, closure constants as in _matmul_kernel
+    (one kernel for every pair compiled three generic row dots: 13.7 s of a first run's compile)."""
+    GATE_TYPE, DOWN_TYPE = int(gate_type), int(down_type)
+
+    @njit(parallel=True, cache=True)
+    def moe_kernel(gate_w, up_w, down_w, X, ids, route_w, clamp, out, lut, grid, ksigns):
+        n_tok, n_embd = X.shape
+        n_used = ids.shape[1]
+        n_ff = gate_w.shape[1]
+        for t in range(n_tok):
+            x = X[t]
+            xq = np.empty(n_embd, np.int8)
+            xd = np.empty(n_embd // 32, np.float32)
+            xbs = np.empty(n_embd // 16, np.int32)
+            _prepare(GATE_TYPE, x, xq, xd, xbs)
+            mid = np.empty((n_used, n_ff), np.float32)
+            for k in range(n_used):
+                e = ids[t, k]
+                wk = route_w[t, k]
+                for r in prange(n_ff):
+                    g = _dot_row(GATE_TYPE, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
+                    u = _dot_row(GATE_TYPE, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
+                    g = min(g, clamp)
+                    u = min(max(u, -clamp), clamp)
+                    mid[k, r] = _silu(g) * u * wk
+            acc = np.zeros(n_embd, np.float32)
+            mq = np.empty(n_ff, np.int8)
+            md = np.empty(n_ff // 32, np.float32)
+            mbs = np.empty(n_ff // 16, np.int32)
+            for k in range(n_used):
+                e = ids[t, k]
+                _prepare(DOWN_TYPE, mid[k], mq, md, mbs)
+                for r in prange(n_embd):
+                    acc[r] += _dot_row(DOWN_TYPE, down_w[e, r], mid[k], mq, md, mbs, lut, grid,
+                                       ksigns)
+            for r in range(n_embd):
+                out[t, r] = acc[r]
+
+    return moe_kernel
 
 
 def _check_experts(gate_w, up_w, down_w, gate_type, down_type, n_embd):
@@ -402,8 +421,8 @@ def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w
     if ids.size and (ids.min() < 0 or ids.max() >= gate_w.shape[0]):
         raise ValueError("expert id out of range")
     out = np.empty_like(X)
-    _moe_kernel(gate_w, up_w, down_w, np.int64(gate_type), np.int64(down_type), X, ids, rw,
-                np.float32(clamp), out, F16_TO_F32, _GRID, _KSIGNS)
+    _moe_kernel(gate_type, down_type)(gate_w, up_w, down_w, X, ids, rw, np.float32(clamp), out,
+                                      F16_TO_F32, _GRID, _KSIGNS)
     return out
 
 
