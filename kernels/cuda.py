@@ -33,8 +33,8 @@ from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              iq2_permute, ld_half, ld_pair, ld_quad, mma_s8, mma_s8_acc, negate_bytes, pdl_enter,
-                              shr64_lo)
+                              and_or, iq2_permute, iq2_permute_mulhi, ld_half, ld_pair, ld_quad, lds32, mma_s8,
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2279,6 +2279,7 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
 
 _GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
                    # (H200, kbench tune_halves: 21.3 us against 22.3, 20.3 / 20.9 with PDL edges)
+_GU_FMA = 0        # moe_gate_up_halves' FMA bits (its docstring): not yet timed on a GPU
 
 
 def gate_up_halves_applies(wtype, K, xq):
@@ -2288,7 +2289,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2310,11 +2311,21 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
     16: q ^ 2, then xor 8: q ^ 1). Here the term of sb sits in lanes 2 sb, 2 sb + 1; the chain
     hands the partial sum of sb to the lanes of sb + 4 (lane xor 8 or 24: from 8-lane group g - 1
     to g, g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane
-    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..)."""
+    xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
+
+    FMA (bits; 0 in the engine until measured on a GPU): work moved from the integer ALU pipe
+    (54.5 % busy, the busiest: session 27's ncu) to the FMA pipe (18.7 %). 1: the two table
+    addresses of each grid entry as IMADs with a register 4 (lds32 at shared_addr + 4 index)
+    instead of LEAs, the sign index's shift as a mulhi by a register 2^(34 - 7 l) and its mask and
+    base as one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU instructions per 8
+    weights become 5 + 2 IMAD. 2: iq2_permute's shift by 16 as a mulhi too (iq2_permute_mulhi).
+    The same words from the same tables: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
     NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
+    KS_N = 166 if FMA else 129          # FMA: 4, 2^16, the three sign shifts' multipliers, pos x 32
+    KS_ALIGN = bool(FMA) and not SIMULATOR   # the simulator takes no alignment (its addresses are)
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2336,7 +2347,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
         if not PRE:
             pdl_enter()
         grid_s = cuda.shared.array(256, uint32)
-        ks_s = cuda.shared.array(129, uint32)
+        if KS_ALIGN:                                    # and_or adds the base: 512-aligned
+            ks_s = cuda.shared.array(KS_N, uint32, alignment=512)
+        else:
+            ks_s = cuda.shared.array(KS_N, uint32)
         if PRE:
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
             pdl_enter()                                 # everything below may read earlier grids' output
@@ -2344,6 +2358,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
             _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
         if cuda.threadIdx.x == 0:
             ks_s[128] = uint32(0x2B190800)               # iq2_permute's bytes 0, 8, 25, 43
+            if FMA:                                     # FMA's multipliers (registers, not immediates)
+                ks_s[129] = uint32(4)
+                ks_s[130] = uint32(1 << 16)
+                for l in range(1, 4):
+                    ks_s[130 + l] = uint32(1 << (34 - 7 * l))   # mulhi by it: >> (7 l - 2)
+        if FMA and cuda.threadIdx.x < 32:               # pos once per lane: an address ptxas
+            ks_s[134 + cuda.threadIdx.x] = uint32(0x2B190800)   # cannot prove uniform (below)
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2359,7 +2380,16 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
             for i in range(8):
                 xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
             xds = xd[sb]
-        pos = ks_s[128]                                 # a register operand (see iq2_permute)
+        # a register operand (see iq2_permute). FMA: read from a per-lane address, or ptxas
+        # holds it in a uniform register and copies it into a vector one before every prmt
+        pos = ks_s[134 + lane] if FMA else ks_s[128]
+        four = ks_s[129] if FMA else uint32(0)
+        c16 = ks_s[130] if FMA else uint32(0)
+        shk = cuda.local.array(4, uint32)
+        for l in range(4):
+            shk[l] = ks_s[130 + l] if FMA and l > 0 else four
+        gbase = shared_addr(grid_s) if FMA else uint32(0)
+        sbase = shared_addr(ks_s) if FMA else uint32(0)
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
         res = cuda.local.array(2, float32)
@@ -2387,8 +2417,18 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
                     aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        w_lo, w_hi = iq2_permute(grid_s[_ix(bfe(aux0, 8 * l, 8))],
-                                                 ks_s[_ix(bfe(aux1, 7 * l, 7))], pos)
+                        if FMA & 1:
+                            gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+                            # l = 0: aux1 * 4; else aux1 >> (7 l - 2): the index times 4 either way
+                            sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+                            ssel = lds32(and_or(sraw, 0x1FC, sbase))
+                        else:
+                            gsel = grid_s[_ix(bfe(aux0, 8 * l, 8))]
+                            ssel = ks_s[_ix(bfe(aux1, 7 * l, 7))]
+                        if FMA & 2:
+                            w_lo, w_hi = iq2_permute_mulhi(gsel, ssel, pos, c16)
+                        else:
+                            w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
                     totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
@@ -3655,7 +3695,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre)
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *((_GU_FMA,) if _GU_FMA else ()))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

@@ -63,6 +63,16 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   (two prmt.b32, an or and a shift: four instructions where negating by an 8-byte mask took six). pos is
   an operand so that the caller can hold it in a register: a prmt takes one immediate, and given
   two constants ptxas moved the other one from a uniform register before every prmt (SASS).
+* ``shared_addr(s)``: the 32-bit shared-window address of element 0 of the shared array s
+  (PTX cvta.to.shared), and ``lds32(addr)``: the 32-bit word at that address (ld.shared.u32): a
+  table lookup whose address the caller computes, e.g. ``imad(index, four, base)`` with ``four``
+  a register holding 4, so that ptxas issues an IMAD (the FMA pipe) where array indexing gives a
+  LEA (the integer ALU pipe, the busiest of the gate/up decode).
+* ``mulhi(a, b)``: the high 32 bits of the unsigned product (mul.hi.u32): with b = 2^(32 - n) in a
+  register, a >> n on the FMA pipe instead of a shift on the ALU pipe.
+* ``and_or(x, m, b)``: (x & m) | b (one LOP3): a pre-scaled table index plus a base aligned past m.
+* ``iq2_permute_mulhi(gsel, ssel, pos, c16)``: iq2_permute with its shift by 16 as mulhi(., c16),
+  c16 = 2^16 in a register (the same two words).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -206,6 +216,30 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def ld_half(s, i):
         w = int(s[int(i) >> 1]) & 0xFFFFFFFF
         return np.uint32((w >> (16 * (int(i) & 1))) & 0xFFFF)
+
+    _SIM_SHARED = {}                       # fake shared address -> the simulated array
+
+    def shared_addr(s):
+        for base, arr in list(_SIM_SHARED.items()):
+            if arr is s:
+                return np.uint32(base)
+        base = (len(_SIM_SHARED) + 1) << 20     # 1 MiB apart: aligned past any table index
+        _SIM_SHARED[base] = s
+        return np.uint32(base)
+
+    def lds32(addr):
+        base = int(addr) & ~((1 << 20) - 1)
+        return np.uint32(int(_flat(_SIM_SHARED[base])[(int(addr) - base) >> 2]) & 0xFFFFFFFF)
+
+    def mulhi(a, b):
+        return np.uint32(((int(a) & 0xFFFFFFFF) * (int(b) & 0xFFFFFFFF)) >> 32)
+
+    def and_or(x, m, b):
+        return np.uint32(((int(x) & int(m)) | int(b)) & 0xFFFFFFFF)
+
+    def iq2_permute_mulhi(gsel, ssel, pos, c16):
+        assert int(c16) == 1 << 16
+        return iq2_permute(gsel, ssel, pos)
 
     def cp_async_commit():
         return None
@@ -525,7 +559,7 @@ else:
 
         return sig, codegen
 
-    def _unary_asm(name, ret, asm):
+    def _unary_asm(name, ret, asm, constraints="=r,r"):
         """An intrinsic of one 32-bit integer operand computed by the inline PTX `asm`
         ($0 the result, $1 the operand)."""
         def typer(typingctx, x):
@@ -535,7 +569,7 @@ else:
             def codegen(context, builder, signature, args):
                 v = _i32(context, builder, args[0], signature.args[0])
                 fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
-                return builder.call(ir.InlineAsm(fnty, asm, "=r,r"), [v])
+                return builder.call(ir.InlineAsm(fnty, asm, constraints), [v])
 
             return ret(x), codegen
 
@@ -587,6 +621,47 @@ else:
                            "{ .reg .b32 t; mul.lo.u32 t, $1, 0x10204080; prmt.b32 $0, t, 0, 0xBA98; }")
     even_signs = _unary_asm("even_signs", types.int32,
                             "{ .reg .b32 p; popc.b32 p, $1; bfi.b32 $0, p, $1, 7, 1; }")
+
+    mulhi = _binary_asm("mulhi", types.uint32, "mul.hi.u32 $0, $1, $2;")
+    and_or = _ternary_asm("and_or", types.uint32, "{ .reg .b32 t; and.b32 t, $1, $2; or.b32 $0, t, $3; }")
+    # a load: the memory clobber keeps it after the barrier that follows the table's fill
+    lds32 = _unary_asm("lds32", types.uint32, "ld.shared.u32 $0, [$1];", constraints="=r,r,~{memory}")
+
+    @intrinsic
+    def shared_addr(typingctx, s):
+        if not isinstance(s, types.Array):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.ptrtoint(ary.data, ir.IntType(64))
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
+            asm = "{ .reg .u64 t; cvta.to.shared.u64 t, $1; cvt.u32.u64 $0, t; }"
+            return builder.call(ir.InlineAsm(fnty, asm, "=r,l"), [ptr])
+
+        return types.uint32(s), codegen
+
+    @intrinsic
+    def iq2_permute_mulhi(typingctx, gsel, ssel, pos, c16):
+        if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos, c16)):
+            return None
+        sig = types.UniTuple(types.uint32, 2)(gsel, ssel, pos, c16)
+
+        def codegen(context, builder, signature, args):
+            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32] * 4)
+            asm = ("{ .reg .b32 n, s, h; "
+                   "mov.b32 n, 0xD5E7F800; "
+                   "or.b32 s, $2, $3; "
+                   "mul.hi.u32 h, s, $5; "
+                   "prmt.b32 $0, $4, n, s; "
+                   "prmt.b32 $1, $4, n, h; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,r,r,r,r"), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return sig, codegen
 
     @intrinsic
     def pdl_enter(typingctx):

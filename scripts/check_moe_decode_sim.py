@@ -207,11 +207,12 @@ def main():
         _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
                _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
         ref = gate_up(n_embd, 3, 2, 7)
-        _knobs(_GU_HALVES=True)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False)
+        for fma in (0, 1, 3):                   # _GU_FMA: the FMA-pipe lookups and shifts
+            _knobs(_GU_HALVES=True, _GU_FMA=fma)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves (FMA {fma}) = gate/up decode: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _GU_FMA=0)
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)

@@ -413,30 +413,32 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
-# (rows per block, warps per block, tables before pdl_enter)
-_HALVES_VARIANTS = [(4, 6, True), (8, 4, False), (8, 8, True)]
+# (rows per block, warps per block, tables before pdl_enter, _GU_FMA)
+_HALVES_VARIANTS = [(4, 6, True, 0), (8, 4, False, 0), (8, 8, True, 0), (4, 6, True, 1), (4, 6, False, 3)]
 
 
-@pytest.mark.parametrize("rpb,nw,pre", _HALVES_VARIANTS,
-                         ids=[f"rpb{v[0]}-nw{v[1]}-pre{int(v[2])}" for v in _HALVES_VARIANTS])
-def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
-    """moe_gate_up_halves (a lane per half super-block, _GU_HALVES) against the first gate/up
-    kernel on the flash rows (16 super-blocks): the same integers and the same f32 order, so mid
-    and the MoE output are the same bits."""
+@pytest.mark.parametrize("rpb,nw,pre,fma", _HALVES_VARIANTS,
+                         ids=[f"rpb{v[0]}-nw{v[1]}-pre{int(v[2])}-fma{v[3]}" for v in _HALVES_VARIANTS])
+def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre, fma):
+    """moe_gate_up_halves (a lane per half super-block, _GU_HALVES; its table lookups and shifts
+    on the FMA pipe with _GU_FMA) against the first gate/up kernel on the flash rows (16
+    super-blocks): the same integers and the same f32 order, so mid and the MoE output are the
+    same bits."""
     _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _RPB_GATE_UP=rpb,
-                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
+                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre, _GU_FMA=fma)
 
 
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
-def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
+@pytest.mark.parametrize("fma", [0, 3])
+def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra, fma):
     """moe_gate_up_halves on rows of 1, 3, 5, 15 and 16 super-blocks (idle lanes, partial chain
     steps; rows of 198 and 330 bytes start on both word alignments, and all of them do with the
     experts 2 bytes off a word) and n_ff 20 (a partial last block), against the first gate/up
     kernel bit for bit."""
     moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
-    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
+    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6, _GU_FMA=fma)
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
