@@ -829,6 +829,21 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
+def bench_tune_down(timer, copy_bw, rng, log, moe):
+    """The Q2_K down decode: moe_down_decode_slots (the shipped one, R rows per block) against
+    moe_down_sb (_DOWN_SB rows per block: a lane per super-block, the weights through shared
+    memory by cp.async; ptxas sm_90: 44 registers, ~300 SASS instructions per 4 rows and slot of
+    8 super-blocks against ~1,000 for moe_down_decode_slots). Same bits checked against the first
+    variant; the first two come again at the end (drift)."""
+    names = ("_DOWN_SB", "_R_DOWN_SLOTS")
+    variants = [(0, 8), (8, 8), (4, 8), (12, 8), (16, 8), (0, 8), (8, 8)]
+
+    def describe(k):
+        return f"sb R {k['_DOWN_SB']}" if k["_DOWN_SB"] else f"slots R {k['_R_DOWN_SLOTS']}"
+
+    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
+
+
 # The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
 Q8_0_LAUNCHES = (("attn_q_a + attn_kv 4096->1024+512", (1024, 512), 4096, 1),
                  ("attn_q_b 1024->32768", (32768,), 1024, 1),
@@ -1043,7 +1058,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = _moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves"} & set(parts) else None
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down"} & set(parts)
+           else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
     if "layer" in parts:
@@ -1064,6 +1080,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
     if "tune_halves" in parts:
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
+    if "tune_down" in parts:
+        res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

@@ -31,11 +31,12 @@ from numba.cuda import libdevice
 
 from . import formats as F
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp4a, even_signs, f16_bits_to_f32, forceinline, funnel_r,
+from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
+                              forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, iq2_permute_mulhi, ld_half, ld_pair, ld_quad, lds32, mma_s8,
                               mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
-from .cuda_ops import hc_post_dim
+from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
 
@@ -2164,6 +2165,11 @@ _R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many 
                      # registers, ~220 SASS instructions per (row, slot) against ~460; kbench
                      # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
+_DOWN_SB = 0         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
+                     # where down_sb_applies; not yet timed on a GPU
+_SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
+                     # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
+                     # 16-byte loads of one instruction fall on 8 disjoint bank quads)
 
 
 @_inline
@@ -2612,6 +2618,156 @@ def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
                 hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
 
     return moe_down_decode_slots
+
+
+def _down_sb_shmem(n_used, NSB, R):
+    """moe_down_sb's dynamic shared memory in bytes: the slot results (rounded to 4 words), the
+    slots' activations, and each warp's two stages of 4 weight rows."""
+    return 4 * (((n_used * R + 3) & ~3) + n_used * NSB * _SB_X_WORDS + n_used * 2 * 4 * 21 * NSB)
+
+
+def down_sb_applies(wtype, K, n_used, R):
+    """moe_down_sb takes Q2_K rows of 1..8 super-blocks (K <= 2048: the flash experts), rows per
+    block a multiple of 4, and needs its shared memory under the 48 KB a launch gets unasked."""
+    NSB = K // 256
+    return (wtype == F.Q2_K and K % 256 == 0 and 1 <= NSB <= 8 and R > 0 and R % 4 == 0
+            and 1 <= n_used <= 32 and _down_sb_shmem(n_used, NSB, R) <= 48 * 1024)
+
+
+@_inline
+def _q2_k_sb_half(su, o, xo, h, acc):
+    """Half h (128 weights) of a Q2_K super-block whose 21 words start at su[o], against the
+    activation words at su[xo] (moe_down_sb): acc[s] += scale x (sum of q << 2s times x) for the
+    8 sub-blocks, by shift s."""
+    sc_lo = su[_ix(o + 2 * h)] & _LOW4                 # the scales of sub-blocks 8 h .. 8 h + 3
+    sc_hi = su[_ix(o + 2 * h + 1)] & _LOW4             # and 8 h + 4 .. 8 h + 7
+    for half in range(2):
+        qo = o + 4 + 8 * h + 4 * half
+        q0 = su[_ix(qo)]
+        q1 = su[_ix(qo + 1)]
+        q2 = su[_ix(qo + 2)]
+        q3 = su[_ix(qo + 3)]
+        for s in range(4):
+            m = uint32(0x03030303 << (2 * s))
+            x0, x1, x2, x3 = ld_quad(su, _ix(xo + 32 * h + 8 * s + 4 * half))
+            dp = dp4a_us(q0 & m, x0, 0)
+            dp = dp4a_us(q1 & m, x1, dp)
+            dp = dp4a_us(q2 & m, x2, dp)
+            dp = dp4a_us(q3 & m, x3, dp)
+            sub = 2 * s + half                          # within the half: 0 .. 7
+            sc = bfe(sc_lo if sub < 4 else sc_hi, 8 * (sub & 3), 8)
+            acc[s] = imad(sc, dp, acc[s])
+
+
+def _moe_down_sb_kernel(NSB, R):
+    """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
+    (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
+    row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
+
+    moe_down_decode_slots gives a lane 32 weights of a super-block: each of the 8 lanes of a
+    super-block loads its 4 scale words and d again, and their integer partials meet in 6
+    shuffles per super-block (~3 warp instructions per 32 weights and lane, ~244 per row). Here a
+    lane does a whole super-block in registers:
+    * the qs bits of shift s are masked in place (byte values q << 2s, at most 192: dp4a_us) and
+      the sub-block sums of one shift kept apart, divided by 4^s once (exact: multiples of 4^s);
+    * the min sums are 8 dp2a of the bsums as 16-bit pairs (|bsum| <= 2032) with the 4-bit mins;
+    * the weights come through shared memory: each group's 4 rows are contiguous (4 x 84 NSB
+      bytes), copied by cp.async in 16-byte pieces (coalesced) one group ahead, and each lane reads
+      its 21 words at 21 lane + i: conflict-free (21 is odd). Rows off 16 bytes (an expert base, or
+      NSB not a multiple of 4) are copied word by word instead;
+    * the activation (x words, bsum pairs, scale) of each slot is staged once per block.
+    The integers are those of every Q2_K kernel (exact), the f32 term of a super-block is
+    _make_compute_q2_k's, and the order of the sums is moe_down_decode's: term(q) + term(q + 4)
+    (lane xor 4), then the butterfly over q ^ 2 (lane xor 2) and q ^ 1 (lane xor 1), where
+    _sum_groups_of_8_f32 has lane xor 16 and 8; the slots meet as in moe_down_decode_slots. So the
+    same bits. scripts/check_moe_decode_sim.py checks them without a GPU."""
+    assert 1 <= NSB <= 8 and R % 4 == 0
+    RW = 21 * NSB                        # words per row
+    GW = 4 * RW                          # words per group of 4 rows (one stage)
+    NG = R // 4
+    XW = _SB_X_WORDS
+
+    @_jit_capped(0)
+    def moe_down_sb(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out,
+                    grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
+        pdl_enter()
+        su = cuda.shared.array(0, uint32)             # dynamic shared memory, as words ...
+        sf = cuda.shared.array(0, float32)            # ... and as floats (the same bytes)
+        part_n = (n_used * R + 3) & ~3                # [n_used, R] slot results first
+        k = cuda.threadIdx.x >> 5                     # this warp's slot
+        lane = cuda.threadIdx.x & 31
+        sb = lane & 7
+        rho = lane >> 3
+        r0 = cuda.blockIdx.x * R
+        nr = min(R, n_embd - r0)
+        xs0 = part_n + k * NSB * XW                   # slot k's activation
+        so = part_n + n_used * NSB * XW + k * 2 * GW  # this warp's two stages
+        for i in range(lane, NSB * 64, 32):
+            su[_ix(xs0 + (i >> 6) * XW + (i & 63))] = uint32(mq32[_ix(k * NSB * 64 + i)])
+        for i in range(lane, NSB * 8, 32):
+            b = k * 16 * NSB + 2 * i
+            su[_ix(xs0 + (i >> 3) * XW + 64 + (i & 7))] = (uint32(mbs[_ix(b)]) & _M16) | (uint32(mbs[_ix(b + 1)]) << uint32(16))
+        for i in range(lane, NSB, 32):
+            sf[_ix(xs0 + i * XW + 72)] = md[_ix(k * NSB + i)]
+        ebase = slot_off[k * 3 + 2]                   # slot k's expert (bytes)
+        wbase = (ebase + r0 * rb) >> 2                # row r0 (words)
+        rw = rb >> 2
+        aligned = (ebase & 15) == 0 and (rb & 15) == 0
+        for g in range(NG + 1):
+            if g < NG and 4 * g < nr:                 # fetch group g into stage g & 1
+                src = wbase + 4 * g * rw
+                dst = so + (g & 1) * GW
+                words = min(4, nr - 4 * g) * rw
+                if aligned:
+                    for p in range(lane, words >> 2, 32):
+                        cp_async16_at(su, dst + 4 * p, 0, a32, src, 4 * p)
+                else:
+                    for i in range(lane, words, 32):
+                        su[_ix(dst + i)] = a32[_ix(src + i)]
+            cp_async_commit()
+            if g == 0:
+                continue
+            gg = g - 1                                # compute group gg (its copies are done)
+            cp_async_wait1()
+            _warp_sync()
+            row = 4 * gg + rho
+            term = float32(0.0)
+            if sb < NSB and row < nr:
+                o = so + (gg & 1) * GW + rho * RW + 21 * sb
+                xo = xs0 + sb * XW
+                acc = cuda.local.array(4, int32)      # the sub-block sums of shift s, times 4^s
+                for s in range(4):
+                    acc[s] = int32(0)
+                _q2_k_sb_half(su, o, xo, 0, acc)        # two calls, not a loop: both unroll
+                _q2_k_sb_half(su, o, xo, 1, acc)
+                isum = int32(acc[0] + (acc[1] >> 2) + (acc[2] >> 4) + (acc[3] >> 6))
+                summs = int32(0)
+                for kk in range(4):
+                    mins = (su[_ix(o + kk)] >> uint32(4)) & _LOW4
+                    summs = dp2a_lo(su[_ix(xo + 64 + 2 * kk)], mins, summs)
+                    summs = dp2a_hi(su[_ix(xo + 65 + 2 * kk)], mins, summs)
+                dd = su[_ix(o + 20)]
+                d = f16_bits_to_f32(dd & _M16)
+                dmin = f16_bits_to_f32(dd >> uint32(16))
+                xdv = sf[_ix(xo + 72)]
+                term = cuda.fma(xdv * d, float32(isum), -((xdv * dmin) * float32(summs)))
+            v = term + cuda.shfl_xor_sync(FULL_MASK, term, 4)     # term(q) + term(q + 4)
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 2)              # the butterfly over q
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+            if sb == 0 and row < nr:
+                sf[_ix(k * R + row)] = v
+            _warp_sync()                              # the stage is free for group gg + 2
+        cuda.syncthreads()
+        for rr in range(cuda.threadIdx.x, nr, cuda.blockDim.x):
+            total = float32(0.0)
+            for kk in range(n_used):
+                total = total + float32(1.0) * sf[_ix(kk * R + rr)]
+            r = r0 + rr
+            out[r] = total
+            if hc_on:                            # the HC post of this dim (f_b: the shared expert)
+                hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
+
+    return moe_down_sb
 
 
 def _moe_gate_up_tiles_kernel(wtype, T, NCH):
@@ -3726,6 +3882,13 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
     grid_g, ks_g = _iq2_tables()
+    if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
+        R, NSB = _DOWN_SB, n_ff // 256
+        kernel = _cached(_moe_down_sb_kernel, NSB, R)
+        kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
+            a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
+            F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))
+        return
     if _R_DOWN_SLOTS and down_slots_applies(down_type, n_ff, n_used):
         R, NSB, regs = _R_DOWN_SLOTS, n_ff // 256, _REGS_DOWN_SLOTS
         kernel = _cached(_moe_down_decode_slots_kernel, down_type, NSB, R, regs)

@@ -4,6 +4,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 (numba-cuda-mlir) has no llvmlite ``@intrinsic``; this is the only file to port.
 
 * ``dp4a(a, b, c)``: c + sum of the four signed byte products of a and b (PTX dp4a.s32.s32).
+* ``dp4a_us(a, b, c)``: dp4a with a's bytes unsigned (PTX dp4a.u32.s32): bytes up to 255.
+* ``dp2a_lo(a, b, c)``, ``dp2a_hi(a, b, c)``: c + the two signed 16-bit halves of a times bytes 0, 1
+  (lo) or 2, 3 (hi) of b, unsigned (PTX dp2a.lo/.hi.s32.u32).
 * ``f16_bits_to_f32(bits)``: the IEEE half in the low 16 bits of an int, as f32 (exact).
 * ``bfe(x, pos, n)``: bits pos..pos+n-1 of a 32-bit word (PTX bfe.u32), as int32.
 * ``imad(a, b, c)``: a*b + c in 32-bit (numba would widen a 32x32 product to 64 bits).
@@ -123,6 +126,22 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def f16_bits_to_f32(bits):
         return np.float32(np.array([int(bits) & 0xFFFF], np.uint16).view(np.float16)[0])
 
+    def dp4a_us(a, b, c):
+        ab = np.array([a], dtype=np.int64).astype(np.uint32).view(np.uint8)
+        bb = np.array([b], dtype=np.int64).astype(np.uint32).view(np.int8)
+        return np.int32(int(c) + int((ab.astype(np.int64) * bb.astype(np.int64)).sum()))
+
+    def _dp2a(a, b, c, hi):
+        ah = np.array([a], dtype=np.int64).astype(np.uint32).view(np.int16).astype(np.int64)
+        bb = np.array([b], dtype=np.int64).astype(np.uint32).view(np.uint8).astype(np.int64)
+        return np.int32(int(c) + int(ah[0] * bb[2 * hi] + ah[1] * bb[2 * hi + 1]))
+
+    def dp2a_lo(a, b, c):
+        return _dp2a(a, b, c, 0)
+
+    def dp2a_hi(a, b, c):
+        return _dp2a(a, b, c, 1)
+
     def bfe(x, pos, n):
         return np.int32((int(x) & 0xFFFFFFFF) >> int(pos) & ((1 << int(n)) - 1))
 
@@ -197,7 +216,12 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
 
     def cp_async16_at(s, si, sk, a, base, off):
-        raise NotImplementedError("cp.async: no simulator version")
+        # a synchronous copy: the simulator has no asynchronous one to wait for
+        src = _flat(np.asarray(a)).view(np.uint8)
+        dst = _flat(s).view(np.uint8)
+        g = (int(base) + int(off)) * a.dtype.itemsize
+        d = (int(si) + int(sk)) * s.dtype.itemsize
+        dst[d:d + 16] = src[g:g + 16]
 
     def cp_async4_at(s, si, sk, a, base, off):
         raise NotImplementedError("cp.async: no simulator version")
@@ -594,6 +618,9 @@ else:
         return intrinsic(typer)
 
     dp4a = _ternary_asm("dp4a", types.int32, "dp4a.s32.s32 $0, $1, $2, $3;")
+    dp4a_us = _ternary_asm("dp4a_us", types.int32, "dp4a.u32.s32 $0, $1, $2, $3;")
+    dp2a_lo = _ternary_asm("dp2a_lo", types.int32, "dp2a.lo.s32.u32 $0, $1, $2, $3;")
+    dp2a_hi = _ternary_asm("dp2a_hi", types.int32, "dp2a.hi.s32.u32 $0, $1, $2, $3;")
     bfe = _ternary_asm("bfe", types.int32, "bfe.u32 $0, $1, $2, $3;")
     imad = _ternary_asm("imad", types.int32, "mad.lo.s32 $0, $1, $2, $3;")
     funnel_r = _ternary_asm("funnel_r", types.uint32, "shf.r.wrap.b32 $0, $1, $2, $3;")

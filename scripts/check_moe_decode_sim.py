@@ -3,6 +3,7 @@ a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) a
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
+The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those only.
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -111,10 +112,15 @@ def gate_up(n_embd, n_ff, n_used, seed, repacked=False):
     return (mid.copy_to_host(),)
 
 
-def down(n_ff, n_embd, n_used, seed, hc=False):
+def down(n_ff, n_embd, n_used, seed, hc=False, shift=0):
+    """shift: the experts that many bytes (a multiple of 4) past the arena's 16-byte boundary."""
     rng = np.random.default_rng(seed)
     w = TD.random_weights(F.Q2_K, (n_used, n_embd, n_ff), rng)
     arena, (od,) = _arena([w])
+    if shift:
+        host = np.zeros(arena.size + shift, np.uint8)
+        host[od + shift:od + shift + w.size] = w.reshape(-1)
+        arena, od = cuda.to_device(host), od + shift
     stride = w.shape[1] * w.shape[2]
     so = cuda.to_device(np.array([[0, 0, od + k * stride] for k in range(n_used)], np.int64))
     mq, md, mbs = _q8k(rng.standard_normal(n_used * n_ff))
@@ -181,9 +187,31 @@ def q8_0_pairs_same(rows, Kd, U, seed=5):
     return all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
 
 
+def down_sb_checks():
+    bad = 0
+    # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
+    # 3 (768: rows word by word), 1 (256); experts on and 4 bytes off 16 (word by word); rows
+    # per block 4 and 8; a partial last block and group (n_embd 7 or 10)
+    for n_ff, n_embd, R, shift, hc in ((2048, 10, 8, 0, False), (1024, 7, 4, 0, True), (1024, 9, 8, 4, False),
+                                       (768, 5, 4, 0, False), (256, 6, 4, 0, False)):
+        _knobs(_DOWN_SB=0, _R_DOWN_SLOTS=0, _NW_DOWN=2)
+        ref = down(n_ff, n_embd, 3, 6, hc, shift)
+        _knobs(_DOWN_SB=R)
+        ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} down sb: K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16"
+              f"{', HC post' if hc else ''}", flush=True)
+    _knobs(_DOWN_SB=0)
+    return bad
+
+
 def main():
     bad = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8": those cases only
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down": those cases only
+    if only == "down":
+        bad = down_sb_checks()
+        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
+        return 1 if bad else 0
     if only in ("", "q8"):
         # one chunk (K 256: one step), two chunks with a partial one (K 1280: 5 steps); 3 and 5
         # rows: split-K 1 and 2 warps per row
@@ -268,6 +296,7 @@ def main():
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} down slots: K {n_ff}, {n_embd} rows, R {R}{', HC post' if hc else ''}",
               flush=True)
+    bad += down_sb_checks()
     print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
     return 1 if bad else 0
 

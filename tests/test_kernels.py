@@ -396,7 +396,8 @@ def test_factory_kernel_closures_pickle_the_same_in_every_process():
 
 
 # the only module-level scalars a factory kernel may read as globals: values no knob changes
-KERNEL_CONSTANTS = {"FULL_MASK", "WARP", "HC_MAX", "_M16", "_M32", "_LOW2", "_LOW4", "_MAGIC", "_MAGIC_F"}
+KERNEL_CONSTANTS = {"FULL_MASK", "WARP", "HC_MAX", "_M16", "_M32", "_LOW2", "_LOW4", "_MAGIC", "_MAGIC_F",
+                    "USE_SHUFFLES"}   # cuda_ops: fixed by the simulator switch at import
 
 
 def _scalar_globals(func, seen):

@@ -305,7 +305,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _GU_FMA=0, _DOWN_SB=0)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -602,10 +602,35 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     block (_R_DOWN_SLOTS; 10 leaves a partial last block of the 384 rows; at 5120 the launch falls
     back to moe_down_decode)."""
     moe_knobs(_R_DOWN_SLOTS=slots_rows)
+    _assert_down_equals_slot_matvecs(n_ff)
+
+
+@pytest.mark.parametrize("sb_rows,n_ff,extra", [(8, 2048, 0), (4, 2048, 4), (8, 1024, 0), (4, 768, 0),
+                                                (12, 256, 0), (16, 2048, 0)])
+def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
+    """moe_down_sb (_DOWN_SB: a lane per super-block, the rows through shared memory by cp.async)
+    against a Q2_K matvec per slot added in slot order, bit for bit: the flash rows (2048: 8
+    super-blocks) with the experts on a 16-byte boundary (cp.async) and 4 bytes off one (word
+    copies), 4 and 3 super-blocks (768: word copies), one, and 4 to 16 rows per block (the 384
+    rows: partial last blocks with 12 and 16)."""
+    moe_knobs(_DOWN_SB=sb_rows)
+    assert K.down_sb_applies(F.Q2_K, n_ff, 6, sb_rows)
+    _assert_down_equals_slot_matvecs(n_ff, extra)
+
+
+@pytest.mark.parametrize("gu_fma", [0, 3])
+def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs, gu_fma):
+    """One flash-shaped decode MoE with moe_down_sb (and the gate/up FMA variant) against the
+    first MoE decode kernels: mid and the output bit for bit."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _GU_FMA=gu_fma, _DOWN_SB=8,
+                                      _R_DOWN_SLOTS=8)
+
+
+def _assert_down_equals_slot_matvecs(n_ff, extra=0):
     rng = _rng(12)
     n_used, n_embd = 6, 384
     down = TD.random_weights(F.Q2_K, (n_used, n_embd, n_ff), rng)
-    arena, (od,) = _arena([down])
+    arena, (od,) = _arena([(down, extra)])
     stride = down.shape[1] * down.shape[2]
     slot_off = cuda.to_device(np.array([[0, 0, od + k * stride] for k in range(n_used)], np.int64))
     mq, md, mbs, _ = _prepare(F.Q2_K, rng.standard_normal((1, n_used * n_ff)))
@@ -882,12 +907,13 @@ def test_hc_post_rounds_as_the_cpu_engine():
             f"n_hc {n_hc}: {np.count_nonzero(got != want)} of {got.size} values differ"
 
 
-@pytest.mark.parametrize("slots_rows", [0, 8], ids=["down", "down-slots"])
-def test_hc_post_epilogues_equal_hc_post(experts, slots_rows, moe_knobs):
+@pytest.mark.parametrize("slots_rows,sb_rows", [(0, 0), (8, 0), (8, 8)], ids=["down", "down-slots", "down-sb"])
+def test_hc_post_epilogues_equal_hc_post(experts, slots_rows, sb_rows, moe_knobs):
     """The HC post done by the thread that writes each output dim (out_b's Q8_0 matvec: split-K 2
     at the model's shape, 8 on a small one; the MoE down kernel, or moe_down_decode_slots with
-    slots_rows > 0) leaves the outputs unchanged and the state bit for bit as hc_post."""
-    moe_knobs(_R_DOWN_SLOTS=slots_rows)
+    slots_rows > 0, or moe_down_sb with sb_rows > 0) leaves the outputs unchanged and the state bit
+    for bit as hc_post."""
+    moe_knobs(_R_DOWN_SLOTS=slots_rows, _DOWN_SB=sb_rows)
     rng = _rng(95)
     for n_embd, Kd, n_hc in ((N_EMBD, 8192, 4), (256, 1024, 4), (256, 512, 2)):
         w = TD.random_weights(F.Q8_0, (n_embd, Kd), rng)
