@@ -295,8 +295,8 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
     (source: flag | env | default); notes [str]; decision {regime, forced, reasons, warnings,
     vram_budget, ram_budget, arena_limit, expert_cache_slots, expert_cache_bytes, direct_io,
     drop_pages, runner_up, alternatives [{regime, flag, verdict}]} or null with refusal: str;
-    kernels {key, recorded, cached, jobs, ahead} for a GPU regime (ds4py.engine.kernel_plan), else
-    null. All sizes are bytes."""
+    kernels {key, target ("cuda" | "cpu"), recorded, cached, jobs, ahead} for the chosen regime
+    (ds4py.engine.kernel_plan), null with a refusal. All sizes are bytes."""
     from dataclasses import asdict
 
     from ds4py.io import machine
@@ -317,9 +317,8 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
         except Refusal as e:
             report["refusal"] = str(e)
             return report
-        if d.regime != "cpu":
-            from ds4py.engine import kernel_plan
-            report["kernels"] = kernel_plan(model, weights.compile_jobs)
+        from ds4py.engine import kernel_plan
+        report["kernels"] = kernel_plan(model, weights.compile_jobs, "cpu" if d.regime == "cpu" else "cuda")
         report["decision"] = {
             "regime": d.regime, "forced": d.forced, "reasons": list(d.reasons), "warnings": list(d.warnings),
             "vram_budget": d.vram_budget, "ram_budget": d.ram_budget, "arena_limit": d.arena_limit,
@@ -406,7 +405,8 @@ def print_probe(r: dict) -> None:
         out.print(f"  runner-up: {REGIME_TITLES[d['runner_up']]}")
     if r["kernels"]:
         from ds4py.engine import kernel_plan_text
-        out.print(f"  CUDA kernels: {kernel_plan_text(r['kernels'])}")
+        target = "CPU" if r["kernels"]["target"] == "cpu" else "CUDA"
+        out.print(f"  {target} kernels: {kernel_plan_text(r['kernels'])}")
     alts = Table(title="other regimes", show_header=True)
     for col in ("regime", "force with", "verdict"):
         alts.add_column(col)

@@ -3,8 +3,8 @@
 The data flow of the design: the model (io.spec) and the machine facts go to the detector, which
 picks the regime; the weight source for that regime is opened (io.sources); the CPU engine runs on
 the mmap, the CUDA engine on the source's device arena. The engine never learns the regime.
-Between the decision and the source, a GPU run has worker processes compile the CUDA kernels a
-model of its shape needs (kernels/precompile.py), unless the disk cache holds them already.
+Between the decision and the source, worker processes compile the kernels (CUDA, or the CPU
+engine's) a model of its shape needs (kernels/precompile.py), unless the disk cache holds them.
 """
 
 from __future__ import annotations
@@ -22,32 +22,34 @@ class Loaded:
     source: object
     decision: object
     kind: str                 # "cpu" | "cuda"
-    kernel_key: str | None = None    # the CUDA kernels' manifest key (kernels/precompile.py)
+    kernel_key: str | None = None    # the kernels' manifest key (kernels/precompile.py)
 
     def close(self) -> None:
         if self.kernel_key is not None:          # what this run built, for the next one's workers
             from ds4py.kernels import precompile
-            precompile.record(self.kernel_key)
+            precompile.record(self.kernel_key, target=self.kind)
         close = getattr(self.source, "close", None)
         if close:
             close()
 
 
-def kernel_key(model) -> str:
+def kernel_key(model, target: str = "cuda") -> str:
+    """The manifest key of the model's kernels for target "cuda" or "cpu" (the CPU engine's)."""
     from ds4py.kernels import precompile
-    return precompile.shape_key(model.spec, (t.ggml_type for t in model.file.tensors.values()))
+    key = precompile.shape_key(model.spec, (t.ggml_type for t in model.file.tensors.values()))
+    return "cpu;" + key if target == "cpu" else key
 
 
-def kernel_plan(model, jobs: int) -> dict:
-    """What a GPU run of this model will do about its CUDA kernels (`probe` prints it): key, the
+def kernel_plan(model, jobs: int, target: str = "cuda") -> dict:
+    """What a run of this model on target will do about its kernels (`probe` prints it): key, the
     kernels a manifest records for its shape, whether the cache holds them for these sources, the
     worker count (jobs 0: auto), and whether workers compile them ahead ("ahead")."""
     from ds4py.kernels import precompile
-    key = kernel_key(model)
+    key = kernel_key(model, target)
     recorded = len(precompile.manifest_for(key))
     cached = precompile.compiled_for_these_sources(key)
     jobs = jobs or precompile.default_jobs()
-    return {"key": key, "recorded": recorded, "cached": cached, "jobs": jobs,
+    return {"key": key, "target": target, "recorded": recorded, "cached": cached, "jobs": jobs,
             "ahead": recorded > 0 and not cached and jobs > 1}
 
 
@@ -58,15 +60,15 @@ def kernel_plan_text(plan: dict) -> str:
         return f"{plan['recorded']} kernels compiled ahead in {plan['jobs']} processes before the weights load"
     if plan["recorded"]:
         return f"{plan['recorded']} recorded kernels compiled at first use (--compile-jobs 1)"
-    return "a shape not run before: compiled at first use (about a minute, once)"
+    return "a shape not run before: compiled at first use (once)"
 
 
-def compile_ahead(model, jobs: int, *, progress=True, log=None) -> None:
-    """The CUDA kernels a model of this shape built in an earlier run (or the package's manifest
-    lists), compiled into the disk cache by worker processes unless they are already there (see
-    kernel_plan); a first run of a new shape compiles at first use."""
+def compile_ahead(model, jobs: int, target: str = "cuda", *, progress=True, log=None) -> None:
+    """The kernels a model of this shape built on target in an earlier run (or the package's
+    manifest lists), compiled into the disk cache by worker processes unless they are already there
+    (see kernel_plan); a first run of a new shape compiles at first use."""
     from ds4py.kernels import precompile
-    plan = kernel_plan(model, jobs)
+    plan = kernel_plan(model, jobs, target)
     if not plan["ahead"]:
         return
     key, jobs = plan["key"], plan["jobs"]
@@ -74,8 +76,8 @@ def compile_ahead(model, jobs: int, *, progress=True, log=None) -> None:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _count_bar(progress, f"compiling kernels ({jobs} processes)", len(kernels)) as advance:
         seconds, failures = precompile.compile_in_workers(kernels, jobs, on_done=advance)
-    log(f"ds4py: compiled {len(kernels)} CUDA kernels in {jobs} processes in {seconds:.1f} s "
-        f"(kept in the disk cache for the next runs)")
+    log(f"ds4py: compiled {len(kernels)} {'CPU' if target == 'cpu' else 'CUDA'} kernels in {jobs} processes "
+        f"in {seconds:.1f} s (kept in the disk cache for the next runs)")
     if failures:
         log(f"ds4py: {len(failures)} kernels will compile at first use instead ({failures[0]})")
     else:
@@ -101,13 +103,14 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
     from ds4py.io.sources import load_weights
 
     def before_open(decision):
-        if decision.regime != "cpu":
-            compile_ahead(model, weights.compile_jobs, progress=progress, log=log)
+        compile_ahead(model, weights.compile_jobs, "cpu" if decision.regime == "cpu" else "cuda",
+                      progress=progress, log=log)
 
     source, decision = load_weights(model, weights, progress=progress, log=log, before_open=before_open)
     if decision.regime == "cpu":
         from ds4py.forward_cpu import CpuEngine
-        return Loaded(CpuEngine(model, source, n_ctx=weights.n_ctx), source, decision, "cpu")
+        return Loaded(CpuEngine(model, source, n_ctx=weights.n_ctx), source, decision, "cpu",
+                      kernel_key(model, "cpu"))
     from ds4py.forward_cuda import CudaEngine
     try:
         engine = CudaEngine(model, source, weights.n_ctx, prefill_chunk=weights.prefill_chunk,

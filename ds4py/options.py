@@ -180,9 +180,9 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("io_threads", "--io-threads", "DS4PY_IO_THREADS", "value", 0, "N",
         "Reader threads filling the staging buffers (0 = auto: min(16, CPUs)).", _parse_int("--io-threads", 0, 256)),
     Opt("compile_jobs", "--compile-jobs", "DS4PY_COMPILE_JOBS", "value", 0, "N",
-        "Processes compiling the CUDA kernels of a model shape seen before when the kernel cache lacks "
-        "them (after an upgrade; the package knows the tiny and full-size q2 shapes): 0 = auto "
-        "(min(8, CPUs - 1)); 1 compiles at first use, one kernel at a time.",
+        "Processes compiling the kernels (CUDA, or the CPU engine's) of a model shape seen before when "
+        "the kernel cache lacks them (a first run, an upgrade; the package knows the tiny and full-size "
+        "q2 shapes): 0 = auto (min(8, CPUs)); 1 compiles at first use, one kernel at a time.",
         _parse_int("--compile-jobs", 0, 256)),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}

@@ -13,8 +13,6 @@ Inside a block the dot product is an exact integer; across blocks it is summed i
 order. Rows are independent, so matmul (many tokens) gives bit-identical rows to matvec.
 """
 
-import functools
-
 import numpy as np
 from numba import njit, prange
 
@@ -274,7 +272,17 @@ def _prepare(wtype, x, xq, xd, xbs):
 # matvec / matmul
 # --------------------------------------------------------------------------------------------
 
-@functools.cache
+_KERNELS = {}    # (factory name, its arguments...) -> the kernel it built (kernels/precompile.py reads it)
+
+
+def _cached(factory, *args):
+    """factory(*args), built once per process."""
+    key = (factory.__name__,) + args
+    if key not in _KERNELS:
+        _KERNELS[key] = factory(*args)
+    return _KERNELS[key]
+
+
 def _matmul_kernel(wtype):
     """matmul's kernel for one weight type. The type is a closure constant, so numba builds only
     that type's row dot: one kernel taking the type as an argument built all five, 4.6 s of a
@@ -334,7 +342,7 @@ def matmul(w, ggml_type, X):
             wf = wf.copy()
         _matmul_f32_kernel(wf, X, out)
         return out
-    _matmul_kernel(ggml_type)(w, X, out, F16_TO_F32, _GRID, _KSIGNS)
+    _cached(_matmul_kernel, int(ggml_type))(w, X, out, F16_TO_F32, _GRID, _KSIGNS)
     return out
 
 
@@ -355,7 +363,6 @@ def _silu(z):
     return z / (np.float32(1.0) + np.exp(-z))
 
 
-@functools.cache
 def _moe_kernel(gate_type, down_type):
     """moe_batch's kernel for one pair of expert types, closure constants as in _matmul_kernel
     (one kernel for every pair compiled three generic row dots: 13.7 s of a first run's compile)."""
@@ -421,8 +428,8 @@ def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w
     if ids.size and (ids.min() < 0 or ids.max() >= gate_w.shape[0]):
         raise ValueError("expert id out of range")
     out = np.empty_like(X)
-    _moe_kernel(gate_type, down_type)(gate_w, up_w, down_w, X, ids, rw, np.float32(clamp), out,
-                                      F16_TO_F32, _GRID, _KSIGNS)
+    _cached(_moe_kernel, int(gate_type), int(down_type))(gate_w, up_w, down_w, X, ids, rw, np.float32(clamp),
+                                                         out, F16_TO_F32, _GRID, _KSIGNS)
     return out
 
 

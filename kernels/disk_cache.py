@@ -25,22 +25,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from pathlib import Path
 
 from numba import cuda
 
 from .cuda_intrinsics import SIMULATOR
+from .digest import SOURCES_DIGEST
 
 
-def sources_digest(folder: Path) -> str:
-    """sha256 over the names and bytes of folder's *.py files, in name order."""
-    h = hashlib.sha256()
-    for path in sorted(folder.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-SOURCES_DIGEST = sources_digest(Path(__file__).resolve().parent)
 _KEY_LOG = bool(os.environ.get("DS4PY_CACHE_KEY_LOG"))    # diagnostics: each key's parts
 
 if not SIMULATOR:

@@ -1,11 +1,13 @@
-"""Compile a model's CUDA kernels in parallel worker processes before its first step.
+"""Compile a model's kernels in parallel worker processes before its first step.
 
-numba-cuda compiles a kernel at its first launch, one at a time on one core: a machine's first GPU
-run spent 69-75 s there on the full-shape model, 48-59 s on the tiny one (H200); later runs load
-the kernels from the disk cache (disk_cache.py) in seconds. Which kernels a model needs is known
-once a run has built them: `record` writes the kernels this process built (a kernels/cuda.py factory
-with its arguments, or a module-level kernel, and the argument types of each launch) into a
-manifest keyed by the model's shape; `compile_in_workers` hands a manifest's kernels to worker
+numba compiles a kernel at its first call, one at a time on one core: a machine's first GPU
+run spent 69-75 s there on the full-shape model, 48-59 s on the tiny one (H200), and a first CPU
+run 14 s on the tiny one (2 cores); later runs load the kernels from numba's disk cache in
+seconds. Which kernels a model needs is known once a run has built them: `record` writes the
+kernels this process built (a factory of kernels/cuda.py or kernels/cpu.py with its arguments, or
+a module-level kernel, and the argument types of each call) into a manifest keyed by the model's
+shape and target ("cuda" or "cpu": the CPU engine's keys start with "cpu;"); `compile_in_workers`
+hands a manifest's kernels to worker
 processes (`python -m ds4py.kernels.precompile FILE`) that compile them into the same disk cache,
 so the engine then only loads them. The package ships the manifests of the synthetic tiny and
 flash models (flash has ds4's q2 shapes) in `manifest.json`; a user's own runs add theirs to
@@ -29,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from .disk_cache import SOURCES_DIGEST
+from .digest import SOURCES_DIGEST
 
 SHIPPED = Path(__file__).resolve().parent / "manifest.json"
 VERSION = 1
@@ -69,24 +71,36 @@ def type_from_json(j):
 
 # ---- what this process built -----------------------------------------------------------------------
 
-def _dispatchers():
-    """(entry without "sig", dispatcher) for every kernel this process can name: the factory
-    kernels of kernels/cuda.py (_KERNELS), and the module-level kernels of cuda.py and cuda_ops.py."""
-    from numba.cuda.dispatcher import CUDADispatcher
+def _dispatchers(target):
+    """(entry without "sig", dispatcher) for every kernel of the target this process can name: the
+    factory kernels (the _KERNELS of kernels/cuda.py or kernels/cpu.py) and the module-level
+    kernels (cuda.py and cuda_ops.py, or cpu.py and cpu_ops.py). The CPU side imports no numba.cuda."""
+    if target == "cpu":
+        from numba.core.registry import CPUDispatcher
 
-    from . import cuda as CK, cuda_ops as ops
-    for key, disp in list(CK._KERNELS.items()):
-        yield {"kind": "factory", "name": key[0], "args": [_plain(a) for a in key[1:]]}, disp
-    for module, kind in ((CK, "cuda"), (ops, "ops")):
+        from . import cpu, cpu_ops
+        factories, modules = cpu._KERNELS, ((cpu, "cpu"), (cpu_ops, "cpu_ops"))
+        is_kernel = (lambda obj: isinstance(obj, CPUDispatcher))
+    else:
+        from numba.cuda.dispatcher import CUDADispatcher
+
+        from . import cuda as CK, cuda_ops as ops
+        factories, modules = CK._KERNELS, ((CK, "cuda"), (ops, "ops"))
+        # kernels, not device functions (those compile inside the kernels calling them)
+        is_kernel = (lambda obj: isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"))
+    kind = "cpu_factory" if target == "cpu" else "factory"
+    for key, disp in list(factories.items()):
+        yield {"kind": kind, "name": key[0], "args": [_plain(a) for a in key[1:]]}, disp
+    for module, kind in modules:
         for name, obj in sorted(vars(module).items()):
-            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):
-                yield {"kind": kind, "name": name}, obj     # kernels (device functions compile inside them)
+            if is_kernel(obj):
+                yield {"kind": kind, "name": name}, obj
 
 
-def built_kernels() -> list[dict]:
-    """One entry per (kernel, argument types) this process has compiled or loaded."""
+def built_kernels(target: str = "cuda") -> list[dict]:
+    """One entry per (kernel, argument types) of the target this process has compiled or loaded."""
     entries = []
-    for entry, disp in _dispatchers():
+    for entry, disp in _dispatchers(target):
         py = disp.py_func
         fn = f"{py.__module__}.{py.__qualname__}:{py.__code__.co_firstlineno}"   # its cache index file
         for sig in list(disp.overloads):
@@ -102,10 +116,16 @@ def _plain(value):
 
 
 def _dispatcher_for(entry):
+    kind = entry["kind"]
+    if kind in ("cpu_factory", "cpu", "cpu_ops"):
+        from . import cpu, cpu_ops
+        if kind == "cpu_factory":
+            return cpu._cached(getattr(cpu, entry["name"]), *entry["args"])
+        return getattr(cpu if kind == "cpu" else cpu_ops, entry["name"])
     from . import cuda as CK, cuda_ops as ops
-    if entry["kind"] == "factory":
+    if kind == "factory":
         return CK._cached(getattr(CK, entry["name"]), *entry["args"])
-    return getattr(CK if entry["kind"] == "cuda" else ops, entry["name"])
+    return getattr(CK if kind == "cuda" else ops, entry["name"])
 
 
 def _group(entry):
@@ -137,15 +157,16 @@ def compiled_for_these_sources(key: str) -> bool:
     return _read(user_manifest_path()).get("compiled", {}).get(key) == SOURCES_DIGEST
 
 
-def record(key: str, path: Path | None = None, kernels: list[dict] | None = None) -> None:
-    """Add what this process built to the manifest at path (the user's by default) under key, and
-    mark the shape compiled for the current sources. Never raises: a manifest is an optimisation."""
+def record(key: str, path: Path | None = None, kernels: list[dict] | None = None, target: str = "cuda") -> None:
+    """Add what this process built for target to the manifest at path (the user's by default) under
+    key, and mark the shape compiled for the current sources. Never raises: a manifest is an
+    optimisation."""
     path = path or user_manifest_path()
     try:
         data = _read(path) or {"version": VERSION}
         shapes = data.setdefault("shapes", {})
         known = {json.dumps(e, sort_keys=True) for e in shapes.get(key, [])}
-        new = [e for e in (kernels if kernels is not None else built_kernels())
+        new = [e for e in (kernels if kernels is not None else built_kernels(target))
                if json.dumps(e, sort_keys=True) not in known]
         if not new and data.get("compiled", {}).get(key) == SOURCES_DIGEST:
             return
@@ -164,7 +185,8 @@ _WORKER_STDERR = None if os.environ.get("DS4PY_COMPILE_DEBUG") else subprocess.D
 
 
 def default_jobs() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    """One worker per CPU up to 8: the parent only waits for them."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 # ---- the workers -----------------------------------------------------------------------------------

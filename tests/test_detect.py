@@ -212,7 +212,8 @@ def test_probe_json_is_documented_shape(tiny_model):
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal", "kernels"}
-    assert report["kernels"] is None                   # the CPU engine compiles no CUDA kernel
+    assert report["kernels"]["target"] == "cpu"        # the CPU engine's kernels
+    assert report["kernels"]["key"].startswith("cpu;") and report["kernels"]["recorded"] >= 30
     assert report["decision"]["regime"] == "cpu" and report["refusal"] is None
     assert report["model"]["kv_bytes"] > 0 and report["model"]["n_ctx"] == 32768
     opts = {o["option"]: o for o in report["options"]}

@@ -462,7 +462,7 @@ def test_disk_cache_keys_hold_the_register_cap_and_the_sources():
 
 
 def test_kernel_sources_digest_follows_every_source_file(tmp_path):
-    from ds4py.kernels.disk_cache import sources_digest
+    from ds4py.kernels.digest import sources_digest
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "b.py").write_text("y = 2\n")
     first = sources_digest(tmp_path)

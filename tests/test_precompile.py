@@ -123,9 +123,10 @@ def test_every_module_kernel_is_disk_cached():
 
 def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_model, tmp_path, monkeypatch):
     """kernels/manifest.json (recorded on the H200 by `ds4py run` on the embedded tiny model and
-    the flash preset, ds4's q2 shapes) names kernels that exist, with as many argument types as
-    each kernel takes: a renamed factory or a changed kernel signature makes it stale (re-record it
-    with scripts/device-precompile.sh)."""
+    the flash preset, ds4's q2 shapes, and on a CPU-only machine for the tiny model's CPU engine)
+    names kernels that exist, with as many argument types as each kernel takes: a renamed factory
+    or a changed kernel signature makes it stale (re-record it with scripts/device-precompile.sh,
+    or a CPU `ds4py run`, and scripts/merge_manifest.py)."""
     from ds4py.engine import kernel_key
     from ds4py.io.spec import open_model
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no user manifest in the way
@@ -136,9 +137,9 @@ def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_mo
     finally:
         model.close()
     flash_key = P.shape_key(synth.preset_spec("flash"), types_)
-    for key in (tiny_key, flash_key):
+    for key, least in ((tiny_key, 40), (flash_key, 40), ("cpu;" + tiny_key, 30)):
         kernels = P.manifest_for(key)
-        assert len(kernels) >= 40, key
+        assert len(kernels) >= least, key
         for e in kernels:
             disp = P._dispatcher_for(e)
             assert disp.py_func.__code__.co_argcount == len(e["sig"]), e["name"]
@@ -160,6 +161,9 @@ def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypat
         P.record(plan["key"], kernels=[])
         plan = kernel_plan(model, 4)
         assert plan["cached"] and not plan["ahead"] and "disk cache" in kernel_plan_text(plan)
+        cpu = kernel_plan(model, 4, "cpu")                # the CPU engine's kernels: their own key
+        assert cpu["key"] == "cpu;" + plan["key"] and cpu["target"] == "cpu"
+        assert cpu["ahead"] and cpu["recorded"] >= 30 and not cpu["cached"]
     finally:
         model.close()
 
@@ -192,3 +196,25 @@ def test_compile_ahead_runs_the_workers_once_per_sources(tiny_model, tmp_path, m
         assert len(calls) == 2                              # cached for these sources: no workers
     finally:
         model.close()
+
+
+def test_cpu_kernels_compiled_by_workers_are_loaded_by_the_run(tiny_model, tmp_path):
+    """The whole CPU path with an empty numba cache: `ds4py run` hands the shipped manifest's CPU
+    kernels to 2 worker processes, then its engine loads every one of them (no compile is
+    heard); a second run starts no worker. Would fail if a worker's cache key or argument types
+    differed from the engine's (the GPU side had such a bug: test_kernel_cache_keys_...)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), XDG_CACHE_HOME=str(tmp_path / "xdg"),
+               DS4PY_COMPILE_JOBS="2")
+    cmd = [sys.executable, "-m", "ds4py", "run", "-m", str(tiny_model), "-p", "Ciao, come stai?", "-n", "4",
+           "--temp", "0"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "CPU kernels in 2 processes" in first.stderr, first.stderr[-2000:]
+    assert "went to compiling kernels" not in first.stderr and "compiling kernels with numba" not in first.stderr, \
+        first.stderr[-2000:]
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0 and "processes" not in second.stderr, second.stderr[-2000:]
+    assert second.stdout == first.stdout
