@@ -561,27 +561,30 @@ else:
 
         return sig, codegen
 
+    def _iq2_permute_codegen(shift, n_in):
+        """iq2_permute's PTX with `shift` putting s >> 16 into h (its operands: $2.. the n_in
+        arguments)."""
+        def codegen(context, builder, signature, args):
+            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32] * n_in)
+            asm = ("{ .reg .b32 n, s, h; "
+                   "mov.b32 n, 0xD5E7F800; "             # bytes 0, -8, -25, -43 (selector 4..7)
+                   "or.b32 s, $2, $3; "
+                   + shift +
+                   "prmt.b32 $0, $4, n, s; "
+                   "prmt.b32 $1, $4, n, h; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r," + ",".join(["r"] * n_in)), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return codegen
+
     @intrinsic
     def iq2_permute(typingctx, gsel, ssel, pos):
         if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos)):
             return None
-        sig = types.UniTuple(types.uint32, 2)(gsel, ssel, pos)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32, i32, i32])
-            asm = ("{ .reg .b32 n, s, h; "
-                   "mov.b32 n, 0xD5E7F800; "             # bytes 0, -8, -25, -43 (selector 4..7)
-                   "or.b32 s, $2, $3; "
-                   "shr.b32 h, s, 16; "
-                   "prmt.b32 $0, $4, n, s; "
-                   "prmt.b32 $1, $4, n, h; }")
-            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,r,r,r"), vals)
-            parts = [builder.extract_value(res, i) for i in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
-
-        return sig, codegen
+        return types.UniTuple(types.uint32, 2)(gsel, ssel, pos), _iq2_permute_codegen("shr.b32 h, s, 16; ", 3)
 
     def _unary_asm(name, ret, asm, constraints="=r,r"):
         """An intrinsic of one 32-bit integer operand computed by the inline PTX `asm`
@@ -672,23 +675,8 @@ else:
     def iq2_permute_mulhi(typingctx, gsel, ssel, pos, c16):
         if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos, c16)):
             return None
-        sig = types.UniTuple(types.uint32, 2)(gsel, ssel, pos, c16)
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32] * 4)
-            asm = ("{ .reg .b32 n, s, h; "
-                   "mov.b32 n, 0xD5E7F800; "
-                   "or.b32 s, $2, $3; "
-                   "mul.hi.u32 h, s, $5; "
-                   "prmt.b32 $0, $4, n, s; "
-                   "prmt.b32 $1, $4, n, h; }")
-            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,r,r,r,r"), vals)
-            parts = [builder.extract_value(res, i) for i in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
-
-        return sig, codegen
+        return (types.UniTuple(types.uint32, 2)(gsel, ssel, pos, c16),
+                _iq2_permute_codegen("mul.hi.u32 h, s, $5; ", 4))
 
     @intrinsic
     def pdl_enter(typingctx):
