@@ -235,7 +235,7 @@ def main():
         _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
                _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
         ref = gate_up(n_embd, 3, 2, 7)
-        for fma in (0, 1, 3):                   # _GU_FMA: the FMA-pipe lookups and shifts
+        for fma in (0, 1, 3, 7):                # _GU_FMA: the FMA-pipe lookups and shifts, table copies
             _knobs(_GU_HALVES=True, _GU_FMA=fma)
             ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
             bad += not ok

@@ -414,7 +414,8 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
 
 
 # (rows per block, warps per block, tables before pdl_enter, _GU_FMA)
-_HALVES_VARIANTS = [(4, 6, True, 0), (8, 4, False, 0), (8, 8, True, 0), (4, 6, True, 1), (4, 6, False, 3)]
+_HALVES_VARIANTS = [(4, 6, True, 0), (8, 4, False, 0), (8, 8, True, 0), (4, 6, True, 1), (4, 6, False, 3),
+                    (4, 6, True, 7)]
 
 
 @pytest.mark.parametrize("rpb,nw,pre,fma", _HALVES_VARIANTS,
@@ -430,7 +431,7 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre, fma):
 
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
-@pytest.mark.parametrize("fma", [0, 3])
+@pytest.mark.parametrize("fma", [0, 3, 7])
 def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra, fma):
     """moe_gate_up_halves on rows of 1, 3, 5, 15 and 16 super-blocks (idle lanes, partial chain
     steps; rows of 198 and 330 bytes start on both word alignments, and all of them do with the
