@@ -145,12 +145,17 @@ def _read(path: Path) -> dict:
 
 
 def manifest_for(key: str) -> list[dict]:
-    """The kernels a model of this shape built before (the user's runs first, then the package's)."""
+    """The kernels a model of this shape built before: the user's runs', then those of the
+    package's manifest the user's runs have not built (a short run builds fewer), each kernel once
+    (its "fn" aside: a line number, which an edit of the source moves)."""
+    kernels, seen = [], set()
     for path in (user_manifest_path(), SHIPPED):
-        kernels = _read(path).get("shapes", {}).get(key)
-        if kernels:
-            return kernels
-    return []
+        for e in _read(path).get("shapes", {}).get(key, []):
+            what = json.dumps({k: v for k, v in e.items() if k != "fn"}, sort_keys=True)
+            if what not in seen:
+                seen.add(what)
+                kernels.append(e)
+    return kernels
 
 
 def compiled_for_these_sources(key: str) -> bool:

@@ -46,8 +46,12 @@ def test_manifest_records_merges_and_marks_the_sources(tmp_path, monkeypatch):
     P.record("k", kernels=[_entry("f", 1), _entry("g", 2)])          # only the new one is added
     assert P.manifest_for("k") == [_entry("f", 1), _entry("g", 2)]
     # the package's manifest serves a shape the user has not run; a digest change re-arms the workers
-    (tmp_path / "shipped.json").write_text(json.dumps({"version": P.VERSION, "shapes": {"s": [_entry("h", 3)]}}))
+    (tmp_path / "shipped.json").write_text(json.dumps({"version": P.VERSION, "shapes": {
+        "s": [_entry("h", 3)], "k": [dict(_entry("g", 2), fn="old:1"), _entry("h", 4)]}}))
     assert P.manifest_for("s") == [_entry("h", 3)] and not P.compiled_for_these_sources("s")
+    # both manifests for one shape: the user's kernels, then the package's others, each once
+    assert P.manifest_for("k") == [_entry("f", 1), _entry("g", 2), _entry("h", 4)]
+    (tmp_path / "shipped.json").write_text(json.dumps({"version": P.VERSION, "shapes": {"s": [_entry("h", 3)]}}))
     monkeypatch.setattr(P, "SOURCES_DIGEST", "another")
     assert not P.compiled_for_these_sources("k")
     P.record("k", kernels=[])
