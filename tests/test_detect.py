@@ -207,8 +207,9 @@ def test_probe_prints_facts_options_and_decision(tiny_model):
     assert "flag" in row
 
 
-def test_probe_json_is_documented_shape(tiny_model):
-    r = _cli("probe", "-m", str(tiny_model), "--json", "--gpu-vram", "0")
+def test_probe_json_is_documented_shape(tiny_model, tmp_path):
+    # no user manifest: the shipped one's CPU kernels of the tiny shape
+    r = _cli("probe", "-m", str(tiny_model), "--json", "--gpu-vram", "0", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal", "kernels"}
