@@ -3,7 +3,8 @@ a compile-time step count (_CONST_STEPS_GATE_UP, chunks of _NCH_GATE_UP steps) a
 kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the default kernels, bit for
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
-The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those only.
+The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
+only, `... halves` the gate/up halves kernel's variants (_GU_FMA) only (tests/test_moe_sim.py runs both).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -187,6 +188,24 @@ def q8_0_pairs_same(rows, Kd, U, seed=5):
     return all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
 
 
+def halves_checks():
+    bad = 0
+    # moe_gate_up_halves (_GU_HALVES) against moe_gate_up_decode: one super-block (256: one lane
+    # pair busy), 3 (768: one chain step, partial), 5 (1280: a partial second step), 16 (4096:
+    # the flash rows, a chain of 4); 3 rows of 2 slots, rows odd and even (both word alignments)
+    for n_embd in (256, 768, 1280, 4096):
+        _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
+               _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
+        ref = gate_up(n_embd, 3, 2, 7)
+        for fma in (0, 1, 3, 7):                # _GU_FMA: the FMA-pipe lookups and shifts, table copies
+            _knobs(_GU_HALVES=True, _GU_FMA=fma)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves (FMA {fma}) = gate/up decode: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _GU_FMA=0)
+    return bad
+
+
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -207,9 +226,9 @@ def down_sb_checks():
 
 def main():
     bad = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down": those cases only
-    if only == "down":
-        bad = down_sb_checks()
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves": those only
+    if only in ("down", "halves"):
+        bad = down_sb_checks() if only == "down" else halves_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
     if only in ("", "q8"):
@@ -228,19 +247,7 @@ def main():
         if only == "q8":
             print("all Q8_0 simulator checks passed" if not bad else f"{bad} FAILED")
             return 1 if bad else 0
-    # moe_gate_up_halves (_GU_HALVES) against moe_gate_up_decode: one super-block (256: one lane
-    # pair busy), 3 (768: one chain step, partial), 5 (1280: a partial second step), 16 (4096:
-    # the flash rows, a chain of 4); 3 rows of 2 slots, rows odd and even (both word alignments)
-    for n_embd in (256, 768, 1280, 4096):
-        _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
-               _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
-        ref = gate_up(n_embd, 3, 2, 7)
-        for fma in (0, 1, 3, 7):                # _GU_FMA: the FMA-pipe lookups and shifts, table copies
-            _knobs(_GU_HALVES=True, _GU_FMA=fma)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves (FMA {fma}) = gate/up decode: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _GU_FMA=0)
+    bad += halves_checks()
     # (n_embd, chunk steps, x in registers): one step (1024), a partial one (768), 4 + a partial
     # step (4608: x staged, 2 or 5 chunks), 4 steps in chunks of 2 (x in registers or staged)
     # (n_embd, chunk steps, x in registers, byte-permute weights)
