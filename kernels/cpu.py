@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import formats as F
+from .precompile import built_once
 
 # f16 bit pattern -> f32 value for all 65536 patterns (exact, subnormals included).
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -276,11 +277,8 @@ _KERNELS = {}    # (factory name, its arguments...) -> the kernel it built (kern
 
 
 def _cached(factory, *args):
-    """factory(*args), built once per process."""
-    key = (factory.__name__,) + args
-    if key not in _KERNELS:
-        _KERNELS[key] = factory(*args)
-    return _KERNELS[key]
+    """factory(*args), built once per process (kept in _KERNELS: precompile.built_once)."""
+    return built_once(_KERNELS, factory, *args)
 
 
 def _matmul_kernel(wtype):

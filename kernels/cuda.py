@@ -39,6 +39,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
+from .precompile import built_once
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -361,14 +362,8 @@ _KERNELS = {}
 
 
 def _cached(factory, *args):
-    """factory(*args), built once per process. _KERNELS is keyed by (factory name, *args): what
-    kernels/precompile.py records to rebuild the kernel in another process."""
-    args = tuple(a.item() if isinstance(a, np.generic) else a for a in args)   # as a worker rebuilds them
-    key = (factory.__name__,) + args
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = factory(*args)
-    return k
+    """factory(*args), built once per process (kept in _KERNELS: precompile.built_once)."""
+    return built_once(_KERNELS, factory, *args)
 
 
 _Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
@@ -1978,16 +1973,9 @@ def _stages_x(wtype):
 
 
 @_inline
-def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
-    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
-        grid_s[i] = grid_g[i]
-    for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
-        ks_s[i] = ks_g[i]
-
-
-@_inline
-def _load_iq2_tables_copies(grid_s, ks_s, grid_g, ks_g, REP):
-    """The tables in REP interleaved copies: entry i at REP i .. REP i + REP - 1."""
+def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g, REP=1):
+    """The grid and sign tables into shared memory, in REP interleaved copies (entry i at REP i ..
+    REP i + REP - 1; moe_gate_up_halves' FMA 4)."""
     for i in range(cuda.threadIdx.x, 256 * REP, cuda.blockDim.x):
         grid_s[i] = grid_g[i // REP]
     for i in range(cuda.threadIdx.x, 128 * REP, cuda.blockDim.x):
@@ -2376,10 +2364,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
             ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
-        if REP > 1:
-            _load_iq2_tables_copies(grid_s, ks_s, grid_g, ks_g, REP)
-        else:
-            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
+        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g, REP)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
         if cuda.threadIdx.x == 0:
@@ -2558,6 +2543,21 @@ def down_slots_applies(wtype, K, n_used):
     return wtype == F.Q2_K and K % 256 == 0 and (K // 256 + 3) // 4 <= _nch(K) and 1 <= n_used <= 32
 
 
+@_inline
+def _add_slots(part, R, nr, r0, n_used, scale, out, hc_on, hc_state, hc_fb, hc_post, hc_comb):
+    """After the block barrier of a down kernel with the slots' row results in part[slot * R +
+    row]: a thread per output row adds them in slot order (0 + scale r_0 + scale r_1 + ..., as
+    moe_down_decode does), writes the sum and does that dim's HC post (f_b: the shared expert)."""
+    for rr in range(cuda.threadIdx.x, nr, cuda.blockDim.x):
+        total = float32(0.0)
+        for kk in range(n_used):
+            total = total + scale * part[kk * R + rr]
+        r = r0 + rr
+        out[r] = total
+        if hc_on:
+            hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
+
+
 def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
     """Down with one warp per slot: a block of n_used warps takes R output rows; warp k dots rows
     r0 .. r0 + R - 1 of slot k's expert with slot k's activation, which it holds in registers for
@@ -2629,14 +2629,7 @@ def _moe_down_decode_slots_kernel(wtype, NSB, R, max_regs=0):
                 if lane == 0:
                     part[k * R + i + 1] = v
         cuda.syncthreads()
-        for rr in range(cuda.threadIdx.x, nr, cuda.blockDim.x):
-            total = float32(0.0)
-            for kk in range(n_used):
-                total = total + scale * part[kk * R + rr]
-            r = r0 + rr
-            out[r] = total
-            if hc_on:                            # the HC post of this dim (f_b: the shared expert)
-                hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
+        _add_slots(part, R, nr, r0, n_used, scale, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
 
     return moe_down_decode_slots
 
@@ -2703,6 +2696,7 @@ def _moe_down_sb_kernel(NSB, R):
     _sum_groups_of_8_f32 has lane xor 16 and 8; the slots meet as in moe_down_decode_slots. So the
     same bits. scripts/check_moe_decode_sim.py checks them without a GPU."""
     assert 1 <= NSB <= 8 and R % 4 == 0
+    scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
     GW = 4 * RW                          # words per group of 4 rows (one stage)
     NG = R // 4
@@ -2779,14 +2773,7 @@ def _moe_down_sb_kernel(NSB, R):
                 sf[_ix(k * R + row)] = v
             _warp_sync()                              # the stage is free for group gg + 2
         cuda.syncthreads()
-        for rr in range(cuda.threadIdx.x, nr, cuda.blockDim.x):
-            total = float32(0.0)
-            for kk in range(n_used):
-                total = total + float32(1.0) * sf[_ix(kk * R + rr)]
-            r = r0 + rr
-            out[r] = total
-            if hc_on:                            # the HC post of this dim (f_b: the shared expert)
-                hc_post_dim(hc_state, r, total + hc_fb[r], hc_post, hc_comb)
+        _add_slots(sf, R, nr, r0, n_used, scale, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
 
     return moe_down_sb
 

@@ -110,6 +110,17 @@ def built_kernels(target: str = "cuda") -> list[dict]:
     return entries
 
 
+def built_once(table: dict, factory, *args):
+    """factory(*args), built once per process and kept in table (kernels/cuda.py's and
+    kernels/cpu.py's _KERNELS) under (factory name, *args): the entry `record` writes and a worker
+    rebuilds the kernel from (numpy scalars as Python ones, as the worker's JSON gives them back)."""
+    args = tuple(_plain(a) for a in args)
+    key = (factory.__name__,) + args
+    if key not in table:
+        table[key] = factory(*args)
+    return table[key]
+
+
 def _plain(value):
     """A factory argument as JSON keeps it (numpy scalars as Python ones)."""
     return value.item() if hasattr(value, "item") else value
