@@ -317,8 +317,8 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
         except Refusal as e:
             report["refusal"] = str(e)
             return report
-        from ds4py.engine import kernel_plan
-        report["kernels"] = kernel_plan(model, weights.compile_jobs, "cpu" if d.regime == "cpu" else "cuda")
+        from ds4py.engine import kernel_plan, kernel_target
+        report["kernels"] = kernel_plan(model, weights.compile_jobs, kernel_target(d.regime))
         report["decision"] = {
             "regime": d.regime, "forced": d.forced, "reasons": list(d.reasons), "warnings": list(d.warnings),
             "vram_budget": d.vram_budget, "ram_budget": d.ram_budget, "arena_limit": d.arena_limit,

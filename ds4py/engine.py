@@ -33,6 +33,11 @@ class Loaded:
             close()
 
 
+def kernel_target(regime: str) -> str:
+    """Whose kernels a regime runs: "cpu" (the CPU engine's) or "cuda"."""
+    return "cpu" if regime == "cpu" else "cuda"
+
+
 def kernel_key(model, target: str = "cuda") -> str:
     """The manifest key of the model's kernels for target "cuda" or "cpu" (the CPU engine's)."""
     from ds4py.kernels import precompile
@@ -44,13 +49,18 @@ def kernel_plan(model, jobs: int, target: str = "cuda") -> dict:
     """What a run of this model on target will do about its kernels (`probe` prints it): key, the
     kernels a manifest records for its shape, whether the cache holds them for these sources, the
     worker count (jobs 0: auto), and whether workers compile them ahead ("ahead")."""
+    return _plan_and_kernels(model, jobs, target)[0]
+
+
+def _plan_and_kernels(model, jobs: int, target: str) -> tuple[dict, list]:
+    """kernel_plan and the manifest's kernels it counted (compile_ahead hands them to the workers)."""
     from ds4py.kernels import precompile
     key = kernel_key(model, target)
-    recorded = len(precompile.manifest_for(key))
+    kernels = precompile.manifest_for(key)
     cached = precompile.compiled_for_these_sources(key)
     jobs = jobs or precompile.default_jobs()
-    return {"key": key, "target": target, "recorded": recorded, "cached": cached, "jobs": jobs,
-            "ahead": recorded > 0 and not cached and jobs > 1}
+    return ({"key": key, "target": target, "recorded": len(kernels), "cached": cached, "jobs": jobs,
+             "ahead": len(kernels) > 0 and not cached and jobs > 1}, kernels)
 
 
 def kernel_plan_text(plan: dict) -> str:
@@ -68,11 +78,10 @@ def compile_ahead(model, jobs: int, target: str = "cuda", *, progress=True, log=
     manifest lists), compiled into the disk cache by worker processes unless they are already there
     (see kernel_plan); a first run of a new shape compiles at first use."""
     from ds4py.kernels import precompile
-    plan = kernel_plan(model, jobs, target)
+    plan, kernels = _plan_and_kernels(model, jobs, target)
     if not plan["ahead"]:
         return
     key, jobs = plan["key"], plan["jobs"]
-    kernels = precompile.manifest_for(key)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _count_bar(progress, f"compiling kernels ({jobs} processes)", len(kernels)) as advance:
         seconds, failures = precompile.compile_in_workers(kernels, jobs, on_done=advance)
@@ -103,8 +112,7 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
     from ds4py.io.sources import load_weights
 
     def before_open(decision):
-        compile_ahead(model, weights.compile_jobs, "cpu" if decision.regime == "cpu" else "cuda",
-                      progress=progress, log=log)
+        compile_ahead(model, weights.compile_jobs, kernel_target(decision.regime), progress=progress, log=log)
 
     source, decision = load_weights(model, weights, progress=progress, log=log, before_open=before_open)
     if decision.regime == "cpu":

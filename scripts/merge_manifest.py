@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parents[1] / "kernels" / "manifest.json"
+from ds4py.kernels.precompile import SHIPPED, VERSION
 
 
 def write(shapes: dict, path: Path = SHIPPED) -> None:
@@ -20,7 +20,7 @@ def write(shapes: dict, path: Path = SHIPPED) -> None:
     for key in sorted(shapes):
         lines = ",\n".join("  " + json.dumps(e, sort_keys=True) for e in shapes[key])
         parts.append(f"{json.dumps(key)}: [\n{lines}\n]")
-    path.write_text('{"version": 1, "shapes": {\n' + ",\n".join(parts) + "\n}}\n")
+    path.write_text(f'{{"version": {VERSION}, "shapes": {{\n' + ",\n".join(parts) + "\n}}\n")
 
 
 def main(paths: list[str]) -> int:
