@@ -789,9 +789,10 @@ def bench_tune_moe(timer, copy_bw, rng, log, moe):
         return (f"gu rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']} regs {k['_REGS_GATE_UP'] or '-'} "
                 f"x_regs {int(k['_X_REGS_GATE_UP'])} split {int(k['_IQ2_SPLIT_SIGNS'])}{gu_const}; down {dn}")
 
-    # all of them on moe_gate_up_decode (moe_gate_up_halves is tune_halves')
-    names += ("_GU_HALVES",)
-    variants = [v + (False,) for v in variants]
+    # all of them on moe_gate_up_decode (moe_gate_up_halves is tune_halves') and the down kernels
+    # before moe_down_sb (tune_down's)
+    names += ("_GU_HALVES", "_DOWN_SB")
+    variants = [v + (False, 0) for v in variants]
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
@@ -816,16 +817,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_GU_FMA")
-    # ptxas sm_90: 70 registers (4 blocks of 6 warps per SM); _GU_FMA 1, 3 and 7: 72 (7: 12 KB of
-    # tables per block)
-    variants = [(False, 4, 6, True, 0), (True, 4, 6, True, 0), (True, 4, 6, True, 1), (True, 4, 6, True, 3),
-                (True, 4, 6, True, 7), (True, 8, 8, True, 3), (True, 8, 8, True, 7), (True, 4, 4, True, 3),
-                (True, 4, 6, False, 0), (False, 4, 6, True, 0), (True, 4, 6, True, 0)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
+    # ptxas sm_90: 72 registers (4 blocks of 6 warps per SM)
+    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
+                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
 
     def describe(k):
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])} fma {k['_GU_FMA']}")
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -34,7 +34,7 @@ from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              and_or, iq2_permute, iq2_permute_mulhi, ld_half, ld_pair, ld_quad, lds32, mma_s8,
+                              and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
                               mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
@@ -1973,13 +1973,12 @@ def _stages_x(wtype):
 
 
 @_inline
-def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g, REP=1):
-    """The grid and sign tables into shared memory, in REP interleaved copies (entry i at REP i ..
-    REP i + REP - 1; moe_gate_up_halves' FMA 4)."""
-    for i in range(cuda.threadIdx.x, 256 * REP, cuda.blockDim.x):
-        grid_s[i] = grid_g[i // REP]
-    for i in range(cuda.threadIdx.x, 128 * REP, cuda.blockDim.x):
-        ks_s[i] = ks_g[i // REP]
+def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
+    """The grid and sign tables into shared memory."""
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        grid_s[i] = grid_g[i]
+    for i in range(cuda.threadIdx.x, 128, cuda.blockDim.x):
+        ks_s[i] = ks_g[i]
 
 
 @_inline
@@ -2162,8 +2161,10 @@ _R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many 
                      # registers, ~220 SASS instructions per (row, slot) against ~460; kbench
                      # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
-_DOWN_SB = 0         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
-                     # where down_sb_applies; not yet timed on a GPU
+_DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
+                     # where down_sb_applies (H200 kbench tune_down, session 30: 10.6-10.8 us
+                     # against 11.9 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
+                     # 16: 11.0)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2282,7 +2283,6 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
 
 _GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
                    # (H200, kbench tune_halves: 21.3 us against 22.3, 20.3 / 20.9 with PDL edges)
-_GU_FMA = 0        # moe_gate_up_halves' FMA bits (its docstring): not yet timed on a GPU
 
 
 def gate_up_halves_applies(wtype, K, xq):
@@ -2292,7 +2292,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2302,7 +2302,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
     the two halves, and the f32 terms of a row cost one chain of shuffles. Its 32 weight bytes are
     9 aligned 4-byte loads and one funnel shift per word (a super-block is 66 bytes: half of them
     start 2 bytes off a word), 10 loads where moe_gate_up_decode has 20 (16-bit) per 128 weights.
-    ptxas sm_90: 70 registers, ~600 SASS instructions per (row, slot) unit against ~680. On the
+    ptxas sm_90 (before the FMA-pipe lookups below): 70 registers, ~600 SASS instructions per
+    (row, slot) unit against ~680. On the
     H200 it gains 4-5 % only (session 26): with the next unit's words in registers (118
     registers) it was 23.9 us, with each unit's rows copied to shared memory by cp.async two units
     ahead (coalesced 16-byte pieces, 128 registers) 21.1-24.3, against 21.3: neither the load
@@ -2316,29 +2317,24 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
     to g, g = sb >> 2), each adding its own term with the same fma, and the butterfly runs over lane
     xor 4 (q ^ 2), then xor 2 (q ^ 1) in the last group (lanes 8 (NST - 1) ..).
 
-    FMA (bits; 0 in the engine until measured on a GPU): work moved from the integer ALU pipe
-    (54.5 % busy, the busiest: session 27's ncu) to the FMA pipe (18.7 %). 1: the two table
-    addresses of each grid entry as IMADs with a register 4 (lds32 at shared_addr + 4 index)
-    instead of LEAs, the sign index's shift as a mulhi by a register 2^(34 - 7 l) and its mask and
-    base as one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU instructions per 8
-    weights become 5 + 2 IMAD. 2: iq2_permute's shift by 16 as a mulhi too (iq2_permute_mulhi).
-    4 (with 1): both tables in 8 interleaved copies, lane l reading copy l & 7 (entry i at word
-    8 i + (l & 7)): the lanes of one copy pick among 4 banks, not 32 lanes among 32, fewer of the
-    lookups' bank conflicts (~1.55 M of the kernel's 2.5 M shared wavefronts, session 27) for
-    12 KB of tables per block instead of 1.5 KB; the index scale 4 becomes 32 and the sign
-    table's alignment 4096. The same words from the same tables: the same bits."""
+    Work moved from the integer ALU pipe (54.5 % busy, the busiest: session 27's ncu) to the FMA
+    pipe (18.7 %): the two table addresses of each grid entry are IMADs with a register 4 (lds32 at
+    shared_addr + 4 index) instead of LEAs, the sign index's shift a mulhi by a register
+    2^(34 - 7 l), its mask and base one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU
+    instructions per 8 weights become 5 + 2 IMAD (ptxas sm_90: 72 registers, 525 SASS instructions
+    per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
+    The same words from the same tables: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
     NW2 = 2 * NWD                       # local array sizes must be plain constants for numba
-    REP = 8 if FMA & 4 else 1           # copies of each table (interleaved)
-    GRID_N = 256 * REP                  # (shared array sizes must be plain constants for numba)
-    SH = 2 + (REP.bit_length() - 1)     # bytes of an entry's index: index << SH (+ 4 x copy)
-    KC = 128 * REP                      # ks_s[KC]: pos; with FMA the multipliers and pos x 32 after it
-    KS_N = KC + 38 if FMA else 129      # FMA: 1 << SH, 2^16, the three sign shifts' multipliers, pos x 32
-    # and_or adds the base: aligned past the index field (the simulator takes no alignment; its
-    # addresses are aligned)
-    KS_ALIGN = 0 if SIMULATOR or not FMA else 128 << SH
+    # ks_s: the 128 sign masks, then the multipliers (registers, not immediates, so that ptxas
+    # keeps IMAD / IMAD.HI): 4 at KC, 2^(34 - 7 l) at KC + l, then pos once per lane at KC + 4
+    KC = 128
+    KS_N = KC + 4 + 32
+    # and_or adds the table's base: aligned past the index field (the simulator takes no
+    # alignment; its addresses are aligned)
+    KS_ALIGN = 0 if SIMULATOR else 512
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2359,23 +2355,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
             pdl_enter()
-        grid_s = cuda.shared.array(GRID_N, uint32)
+        grid_s = cuda.shared.array(256, uint32)
         if KS_ALIGN:
             ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
-        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g, REP)    # constants: no grid writes them
+        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
         if cuda.threadIdx.x == 0:
-            ks_s[KC] = uint32(0x2B190800)                # iq2_permute's bytes 0, 8, 25, 43
-            if FMA:                                     # FMA's multipliers (registers, not immediates)
-                ks_s[KC + 1] = uint32(1 << SH)
-                ks_s[KC + 2] = uint32(1 << 16)
-                for l in range(1, 4):
-                    ks_s[KC + 2 + l] = uint32(1 << (32 + SH - 7 * l))   # mulhi by it: >> (7 l - SH)
-        if FMA and cuda.threadIdx.x < 32:               # pos once per lane: an address ptxas
-            ks_s[KC + 6 + cuda.threadIdx.x] = uint32(0x2B190800)   # cannot prove uniform (below)
+            ks_s[KC] = uint32(4)
+            for l in range(1, 4):
+                ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
+        if cuda.threadIdx.x < 32:       # pos (iq2_permute's bytes 0, 8, 25, 43) once per lane:
+            ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)   # see below
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2391,17 +2384,16 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
             for i in range(8):
                 xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
             xds = xd[sb]
-        # a register operand (see iq2_permute). FMA: read from a per-lane address, or ptxas
-        # holds it in a uniform register and copies it into a vector one before every prmt
-        pos = ks_s[KC + 6 + lane] if FMA else ks_s[KC]
-        four = ks_s[KC + 1] if FMA else uint32(0)      # 1 << SH: 4, or 32 with the copies
-        c16 = ks_s[KC + 2] if FMA else uint32(0)
-        shk = cuda.local.array(4, uint32)
+        # a register operand (see iq2_permute), read from a per-lane address: read from one
+        # address, ptxas holds it in a uniform register and copies it into a vector one before
+        # every prmt
+        pos = ks_s[KC + 4 + lane]
+        shk = cuda.local.array(4, uint32)              # l = 0: 4 (a multiply); else mulhi's 2^(34 - 7 l)
         for l in range(4):
-            shk[l] = ks_s[KC + 2 + l] if FMA and l > 0 else four
-        copy = uint32(4 * (lane & (REP - 1)))          # this lane's copy of the tables (bytes)
-        gbase = shared_addr(grid_s) + copy if FMA else uint32(0)
-        sbase = shared_addr(ks_s) | copy if FMA else uint32(0)
+            shk[l] = ks_s[KC + l]
+        four = shk[0]
+        gbase = shared_addr(grid_s)
+        sbase = shared_addr(ks_s)
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
         res = cuda.local.array(2, float32)
@@ -2429,18 +2421,11 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, FMA=0):
                     aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        if FMA & 1:
-                            gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
-                            # l = 0: aux1 << SH; else aux1 >> (7 l - SH): the index << SH either way
-                            sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                            ssel = lds32(and_or(sraw, 0x7F << SH, sbase))
-                        else:
-                            gsel = grid_s[_ix(bfe(aux0, 8 * l, 8))]
-                            ssel = ks_s[_ix(bfe(aux1, 7 * l, 7))]
-                        if FMA & 2:
-                            w_lo, w_hi = iq2_permute_mulhi(gsel, ssel, pos, c16)
-                        else:
-                            w_lo, w_hi = iq2_permute(gsel, ssel, pos)
+                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+                        # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
+                        sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
+                        w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
                     totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
@@ -3859,7 +3844,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *((_GU_FMA,) if _GU_FMA else ()))
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

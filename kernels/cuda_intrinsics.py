@@ -74,8 +74,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``mulhi(a, b)``: the high 32 bits of the unsigned product (mul.hi.u32): with b = 2^(32 - n) in a
   register, a >> n on the FMA pipe instead of a shift on the ALU pipe.
 * ``and_or(x, m, b)``: (x & m) | b (one LOP3): a pre-scaled table index plus a base aligned past m.
-* ``iq2_permute_mulhi(gsel, ssel, pos, c16)``: iq2_permute with its shift by 16 as mulhi(., c16),
-  c16 = 2^16 in a register (the same two words).
 * ``pdl_enter()``: the first statement of every kernel. Programmatic dependent launch (sm_90+):
   wait until the grids this one depends on have finished and their writes are visible
   (griddepcontrol.wait), then let the grids that depend on this one be launched now
@@ -260,10 +258,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def and_or(x, m, b):
         return np.uint32(((int(x) & int(m)) | int(b)) & 0xFFFFFFFF)
-
-    def iq2_permute_mulhi(gsel, ssel, pos, c16):
-        assert int(c16) == 1 << 16
-        return iq2_permute(gsel, ssel, pos)
 
     def cp_async_commit():
         return None
@@ -561,30 +555,26 @@ else:
 
         return sig, codegen
 
-    def _iq2_permute_codegen(shift, n_in):
-        """iq2_permute's PTX with `shift` putting s >> 16 into h (its operands: $2.. the n_in
-        arguments)."""
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32] * n_in)
-            asm = ("{ .reg .b32 n, s, h; "
-                   "mov.b32 n, 0xD5E7F800; "             # bytes 0, -8, -25, -43 (selector 4..7)
-                   "or.b32 s, $2, $3; "
-                   + shift +
-                   "prmt.b32 $0, $4, n, s; "
-                   "prmt.b32 $1, $4, n, h; }")
-            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r," + ",".join(["r"] * n_in)), vals)
-            parts = [builder.extract_value(res, i) for i in range(2)]
-            return context.make_tuple(builder, signature.return_type, parts)
-
-        return codegen
-
     @intrinsic
     def iq2_permute(typingctx, gsel, ssel, pos):
         if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos)):
             return None
-        return types.UniTuple(types.uint32, 2)(gsel, ssel, pos), _iq2_permute_codegen("shr.b32 h, s, 16; ", 3)
+
+        def codegen(context, builder, signature, args):
+            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32] * 3)
+            asm = ("{ .reg .b32 n, s, h; "
+                   "mov.b32 n, 0xD5E7F800; "             # bytes 0, -8, -25, -43 (selector 4..7)
+                   "or.b32 s, $2, $3; "
+                   "shr.b32 h, s, 16; "
+                   "prmt.b32 $0, $4, n, s; "
+                   "prmt.b32 $1, $4, n, h; }")
+            res = builder.call(ir.InlineAsm(fnty, asm, "=r,=r,r,r,r"), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.uint32, 2)(gsel, ssel, pos), codegen
 
     def _unary_asm(name, ret, asm, constraints="=r,r"):
         """An intrinsic of one 32-bit integer operand computed by the inline PTX `asm`
@@ -670,13 +660,6 @@ else:
             return builder.call(ir.InlineAsm(fnty, asm, "=r,l"), [ptr])
 
         return types.uint32(s), codegen
-
-    @intrinsic
-    def iq2_permute_mulhi(typingctx, gsel, ssel, pos, c16):
-        if not all(isinstance(t, types.Integer) for t in (gsel, ssel, pos, c16)):
-            return None
-        return (types.UniTuple(types.uint32, 2)(gsel, ssel, pos, c16),
-                _iq2_permute_codegen("mul.hi.u32 h, s, $5; ", 4))
 
     @intrinsic
     def pdl_enter(typingctx):

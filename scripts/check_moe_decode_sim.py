@@ -4,7 +4,7 @@ kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the defaul
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
-only, `... halves` the gate/up halves kernel's variants (_GU_FMA) only (tests/test_moe_sim.py runs both).
+only, `... halves` the gate/up halves kernel only (tests/test_moe_sim.py runs both).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -197,12 +197,11 @@ def halves_checks():
         _knobs(_GU_HALVES=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0, _RPB_GATE_UP=2, _NW_GATE_UP=2,
                _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True, _PRE_GATE_UP=True)
         ref = gate_up(n_embd, 3, 2, 7)
-        for fma in (0, 1, 3, 7):                # _GU_FMA: the FMA-pipe lookups and shifts, table copies
-            _knobs(_GU_HALVES=True, _GU_FMA=fma)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves (FMA {fma}) = gate/up decode: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _GU_FMA=0)
+        _knobs(_GU_HALVES=True)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False)
     return bad
 
 
@@ -296,7 +295,7 @@ def main():
     # super-blocks; 2048: 8), 3 steps (768); partial last blocks
     for n_ff, n_embd, R, hc in ((256, 5, 2, False), (512, 7, 3, False), (2048, 3, 2, False),
                                 (768, 4, 4, False), (512, 7, 3, True)):
-        _knobs(_R_DOWN_SLOTS=0, _NW_DOWN=2)
+        _knobs(_DOWN_SB=0, _R_DOWN_SLOTS=0, _NW_DOWN=2)
         ref = down(n_ff, n_embd, 3, 6, hc)
         _knobs(_R_DOWN_SLOTS=R)
         ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc), ref))

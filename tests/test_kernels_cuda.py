@@ -305,7 +305,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _GU_FMA=0, _DOWN_SB=0)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _DOWN_SB=0)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -413,33 +413,30 @@ def test_moe_gate_up_const_steps_short_steps(moe_knobs, n_embd, nch):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 14), ref)
 
 
-# (rows per block, warps per block, tables before pdl_enter, _GU_FMA)
-_HALVES_VARIANTS = [(4, 6, True, 0), (8, 4, False, 0), (8, 8, True, 0), (4, 6, True, 1), (4, 6, False, 3),
-                    (4, 6, True, 7)]
+# (rows per block, warps per block, tables before pdl_enter)
+_HALVES_VARIANTS = [(4, 6, True), (8, 4, False), (8, 8, True), (4, 6, False)]
 
 
-@pytest.mark.parametrize("rpb,nw,pre,fma", _HALVES_VARIANTS,
-                         ids=[f"rpb{v[0]}-nw{v[1]}-pre{int(v[2])}-fma{v[3]}" for v in _HALVES_VARIANTS])
-def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre, fma):
-    """moe_gate_up_halves (a lane per half super-block, _GU_HALVES; its table lookups and shifts
-    on the FMA pipe with _GU_FMA) against the first gate/up kernel on the flash rows (16
-    super-blocks): the same integers and the same f32 order, so mid and the MoE output are the
-    same bits."""
+@pytest.mark.parametrize("rpb,nw,pre", _HALVES_VARIANTS,
+                         ids=[f"rpb{v[0]}-nw{v[1]}-pre{int(v[2])}" for v in _HALVES_VARIANTS])
+def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
+    """moe_gate_up_halves (a lane per half super-block, _GU_HALVES, its table lookups and shifts
+    on the FMA pipe) against the first gate/up kernel on the flash rows (16 super-blocks): the
+    same integers and the same f32 order, so mid and the MoE output are the same bits."""
     _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _RPB_GATE_UP=rpb,
-                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre, _GU_FMA=fma)
+                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
-@pytest.mark.parametrize("fma", [0, 3, 7])
-def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra, fma):
+def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     """moe_gate_up_halves on rows of 1, 3, 5, 15 and 16 super-blocks (idle lanes, partial chain
     steps; rows of 198 and 330 bytes start on both word alignments, and all of them do with the
     experts 2 bytes off a word) and n_ff 20 (a partial last block), against the first gate/up
     kernel bit for bit."""
     moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
-    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6, _GU_FMA=fma)
+    moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
@@ -601,8 +598,8 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     of one chunk (n_ff 256: one partial step, 2048: 2 steps) and of two (5120: 5 steps of 4
     super-blocks, chunks of 4 steps). slots_rows > 0: moe_down_decode_slots with that many rows per
     block (_R_DOWN_SLOTS; 10 leaves a partial last block of the 384 rows; at 5120 the launch falls
-    back to moe_down_decode)."""
-    moe_knobs(_R_DOWN_SLOTS=slots_rows)
+    back to moe_down_decode). moe_down_sb (the engine's, where it applies) off."""
+    moe_knobs(_R_DOWN_SLOTS=slots_rows, _DOWN_SB=0)
     _assert_down_equals_slot_matvecs(n_ff)
 
 
@@ -619,11 +616,10 @@ def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
 
-@pytest.mark.parametrize("gu_fma", [0, 3])
-def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs, gu_fma):
-    """One flash-shaped decode MoE with moe_down_sb (and the gate/up FMA variant) against the
-    first MoE decode kernels: mid and the output bit for bit."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _GU_FMA=gu_fma, _DOWN_SB=8,
+def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs):
+    """One flash-shaped decode MoE with moe_down_sb and moe_gate_up_halves (the engine's decode
+    MoE) against the first MoE decode kernels: mid and the output bit for bit."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _DOWN_SB=8,
                                       _R_DOWN_SLOTS=8)
 
 
