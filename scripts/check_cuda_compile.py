@@ -169,6 +169,7 @@ quant = {
  "moe_down_decode_slots Q2_K (16 rows, cap 80)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 16, 80), moe_down, 80),
  "moe_down_sb Q2_K (8 rows)": (lambda: qk._moe_down_sb_kernel(8, 8), moe_down),
  "moe_down_sb Q2_K (3 super-blocks, 4 rows)": (lambda: qk._moe_down_sb_kernel(3, 4), moe_down),
+ "moe_down_sb Q2_K (8 rows, x by cp.async)": (lambda: qk._moe_down_sb_kernel(8, 8, 2), moe_down),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),
@@ -203,7 +204,11 @@ def main() -> None:
     # a cuda_ops kernel's launch bounds (@cuda.jit(launch_bounds=...)) cap its registers as the launch
     # compiles it: the PTX carries them (.maxntid, .minnctapersm)
     bounds = {name: getattr(ops, name).targetoptions.get("launch_bounds") for name in sigs}
+    # --only TEXT: just the kernels whose catalogue name contains TEXT
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
     for name, func, sig, max_regs in kernels:
+        if only not in name:
+            continue
         try:
             ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
             print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
