@@ -2161,11 +2161,10 @@ _R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many 
                      # registers, ~220 SASS instructions per (row, slot) against ~460; kbench
                      # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
-_DOWN_SB_XA = 0      # moe_down_sb's XA (its docstring; 2 needs x on 16 bytes): being measured
 _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
-                     # where down_sb_applies (H200 kbench tune_down, session 30: 10.6-10.8 us
-                     # against 11.9 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
-                     # 16: 11.0)
+                     # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
+                     # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
+                     # 16: 11.0 before the activation was staged after the first copies)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2659,7 +2658,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R, XA=0):
+def _moe_down_sb_kernel(NSB, R):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2682,9 +2681,8 @@ def _moe_down_sb_kernel(NSB, R, XA=0):
     _sum_groups_of_8_f32 has lane xor 16 and 8; the slots meet as in moe_down_decode_slots. So the
     same bits. scripts/check_moe_decode_sim.py checks them without a GPU.
 
-    XA (being measured): 0 stages the activation before the first weight group is fetched; 1
-    after (the weights' copies start first); 2 after, its x words by cp.async as well (x on a
-    16-byte boundary)."""
+    The activation is staged after the first weight group's copies have started (H200 kbench,
+    session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3)."""
     assert 1 <= NSB <= 8 and R % 4 == 0
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
@@ -2695,11 +2693,8 @@ def _moe_down_sb_kernel(NSB, R, XA=0):
     @_inline
     def stage_x(su, sf, xs0, k, lane, mq32, mbs, md):
         """Slot k's activation at su[xs0:]: per super-block 64 x words, 8 bsum pairs, the scale."""
-        for i in range(lane, NSB * 64 // (4 if XA == 2 else 1), 32):
-            if XA == 2:                                # 16-byte pieces: 16 per super-block
-                cp_async16_at(su, xs0 + (i >> 4) * XW + 4 * (i & 15), 0, mq32, k * NSB * 64, 4 * i)
-            else:
-                su[_ix(xs0 + (i >> 6) * XW + (i & 63))] = uint32(mq32[_ix(k * NSB * 64 + i)])
+        for i in range(lane, NSB * 64, 32):
+            su[_ix(xs0 + (i >> 6) * XW + (i & 63))] = uint32(mq32[_ix(k * NSB * 64 + i)])
         for i in range(lane, NSB * 8, 32):
             b = k * 16 * NSB + 2 * i
             su[_ix(xs0 + (i >> 3) * XW + 64 + (i & 7))] = (uint32(mbs[_ix(b)]) & _M16) | (uint32(mbs[_ix(b + 1)]) << uint32(16))
@@ -2735,15 +2730,12 @@ def _moe_down_sb_kernel(NSB, R, XA=0):
         nr = min(R, n_embd - r0)
         xs0 = part_n + k * NSB * XW                   # slot k's activation
         so = part_n + n_used * NSB * XW + k * 2 * GW  # this warp's two stages
-        if XA == 0:
-            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)
         ebase = slot_off[k * 3 + 2]                   # slot k's expert (bytes)
         wbase = (ebase + r0 * rb) >> 2                # row r0 (words)
         rw = rb >> 2
         aligned = (ebase & 15) == 0 and (rb & 15) == 0
         fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
-        if XA:                                        # after group 0's copies are under way
-            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)
+        stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
         cp_async_commit()
         for g in range(1, NG + 1):
             fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
@@ -3898,8 +3890,7 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        xa = _DOWN_SB_XA if _DOWN_SB_XA != 2 or _dev_ptr(mq) % 16 == 0 else 1
-        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((xa,) if xa else ()))
+        kernel = _cached(_moe_down_sb_kernel, NSB, R)
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

@@ -603,17 +603,15 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff)
 
 
-@pytest.mark.parametrize("sb_rows,n_ff,extra,xa", [(8, 2048, 0, 0), (4, 2048, 4, 0), (8, 1024, 0, 0), (4, 768, 0, 0),
-                                                   (12, 256, 0, 0), (16, 2048, 0, 0), (8, 2048, 0, 2), (4, 2048, 4, 2),
-                                                   (12, 768, 0, 2), (8, 2048, 0, 1)])
-def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, xa, moe_knobs):
+@pytest.mark.parametrize("sb_rows,n_ff,extra", [(8, 2048, 0), (4, 2048, 4), (8, 1024, 0), (4, 768, 0),
+                                                (12, 256, 0), (16, 2048, 0)])
+def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
     """moe_down_sb (_DOWN_SB: a lane per super-block, the rows through shared memory by cp.async)
     against a Q2_K matvec per slot added in slot order, bit for bit: the flash rows (2048: 8
     super-blocks) with the experts on a 16-byte boundary (cp.async) and 4 bytes off one (word
     copies), 4 and 3 super-blocks (768: word copies), one, and 4 to 16 rows per block (the 384
-    rows: partial last blocks with 12 and 16); the activation staged before the first weight
-    copies or after them (xa 1), by cp.async (xa 2)."""
-    moe_knobs(_DOWN_SB=sb_rows, _DOWN_SB_XA=xa)
+    rows: partial last blocks with 12 and 16)."""
+    moe_knobs(_DOWN_SB=sb_rows)
     assert K.down_sb_applies(F.Q2_K, n_ff, 6, sb_rows)
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
