@@ -2283,8 +2283,8 @@ def _moe_gate_up_decode_kernel(wtype, NCH, max_regs=0, x_regs=False, NSB=0, perm
 
 _GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe_gate_up_halves
                    # (H200, kbench tune_halves: 21.3 us against 22.3, 20.3 / 20.9 with PDL edges)
-_GU_COPIES = 1     # its lookup tables in this many copies (1 or 32: a bank per lane; experiment)
-_GU_SIGN_ADD = 0   # with copies: the sign table's base added (1) instead of OR-ed (0: 16 KB aligned)
+_GU_COPIES = 32    # its lookup tables in this many copies: 32, a bank per lane (H200 kbench, session
+                   # 31: 19.00-19.07 us against 19.58-19.90 with PDL edges); 1: one copy of each
 
 
 def gate_up_halves_applies(wtype, K, xq):
@@ -2294,7 +2294,7 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1, SA=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2327,13 +2327,18 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1, SA=0):
     per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
     The same words from the same tables: the same bits.
 
-    CP = 32 (_GU_COPIES, an experiment): both tables in 32 copies, entry i of lane l at word
-    32 i + l, so that every lane reads its own bank (session 27's ncu: 1.55 M of the launch's
-    2.5 M shared wavefronts were the lookups' bank conflicts). 48 KB of shared memory per block
-    (4 blocks per SM still fit), filled with 16-byte stores; the constants (128 and the shift
-    multipliers, pos) come from ks_g's words 128 .. (iq2_copies_tables). The sign address is
-    (index << 7) | (base + 4 lane) with the base 16 KB aligned (SA 0), or
-    ((index << 7) | 4 lane) + base (SA 1: no alignment needed, one IADD more per lookup)."""
+    CP = 32 (_GU_COPIES): both tables in 32 copies, entry i of lane l at word 32 i + l, so that
+    every lane reads its own bank (session 27's ncu: 1.55 M of the launch's 2.5 M shared
+    wavefronts were the lookups' bank conflicts). 48 KB of static shared memory per block (4
+    blocks per SM still fit), filled with 16-byte stores before pdl_enter; the constants (128, the
+    shift multipliers, pos) come from ks_g's words 128 .. (iq2_copies_tables). The sign address is
+    ((index << 7) | 4 lane) + base: ptxas folds the base into the load (LDS [R + UR]), so the loop
+    has the instructions of CP = 1 (635 against 639 SASS). The base cannot be OR-ed in as CP = 1
+    does: the shared window of a block starts at 0x400 (the 1 KB the driver reserves), so an array
+    aligned to 16 KB within it is not 16 KB aligned as an address (that variant gave other bits on
+    the H200; so did session 29's 8 copies at 4 KB alignment). H200 kbench (session 31, copy 3,944
+    GB/s): 19.00-19.07 us with PDL edges (34.6 % of copy) against 19.58-19.90 for CP = 1; without
+    PDL the fill is not hidden: 21.33 against 20.73-21.03."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2344,9 +2349,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1, SA=0):
     KS_N = KC + 4 + 32 if CP == 1 else 128 * CP
     GRID_N = 256 * CP
     SMASK = 0x7F << 2 if CP == 1 else 0x7F << 7
-    # and_or adds the table's base: aligned past the index field (the simulator takes no
+    # CP = 1: and_or adds the table's base, aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
-    KS_ALIGN = 0 if SIMULATOR or SA else (512 if CP == 1 else 16384)
+    KS_ALIGN = 0 if SIMULATOR or CP > 1 else 512
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2420,7 +2425,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1, SA=0):
             for l in range(4):
                 shk[l] = ks_g[KC + l]
             glane = gbase + uint32(lane << 2)
-            slane = uint32(lane << 2) if SA else sbase + uint32(lane << 2)
+            slane = uint32(lane << 2)
         four = shk[0]
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
@@ -2456,7 +2461,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, CP=1, SA=0):
                             sraw = aux1
                         else:
                             sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                        if SA:
+                        if CP > 1:
                             ssel = lds32(and_or(sraw, SMASK, slane) + sbase)
                         else:
                             ssel = lds32(and_or(sraw, SMASK, slane))
@@ -3912,7 +3917,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
         if _GU_COPIES > 1:
-            kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, _GU_COPIES, _GU_SIGN_ADD)
+            kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, _GU_COPIES)
             tables, shmem = _iq2_copies_tables_device(), 0
         else:
             kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre)
