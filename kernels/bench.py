@@ -817,16 +817,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     with other rows and warps per block and its tables filled after pdl_enter.
     Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
     variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP", "_GU_COPIES")
-    # ptxas sm_90: 72 registers (4 blocks of 6 warps per SM); 32 table copies: 48 KB of shared
-    # memory per block (still 4 blocks per SM), the same loop (635-639 SASS instructions)
-    variants = [(False, 4, 6, True, 1), (True, 4, 6, True, 1), (True, 4, 6, True, 32),
-                (True, 4, 6, False, 32), (True, 8, 8, True, 32),
-                (False, 4, 6, True, 1), (True, 4, 6, True, 1), (True, 4, 6, True, 32)]
+    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
+    # ptxas sm_90: 72 registers (4 blocks of 6 warps per SM)
+    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
+                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
 
     def describe(k):
         return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])} copies {k['_GU_COPIES']}")
+                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -201,12 +201,6 @@ def halves_checks():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-        if n_embd in (768, 4096):       # the tables in one copy (the default: 32, a bank per lane)
-            _knobs(_GU_COPIES=1)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, one table copy: K {n_embd}", flush=True)
-            _knobs(_GU_COPIES=32)
     _knobs(_GU_HALVES=False)
     return bad
 

@@ -427,15 +427,6 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
-@pytest.mark.parametrize("pre", [True, False])
-def test_moe_gate_up_halves_one_table_copy_same_bits(experts, moe_knobs, pre):
-    """moe_gate_up_halves with its tables in one copy (_GU_COPIES 1; the default is 32, a bank per
-    lane) against the first gate/up kernel on the flash rows: the same words from the same
-    entries, the same bits."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_HALVES=True, _RPB_GATE_UP=4,
-                                      _NW_GATE_UP=6, _PRE_GATE_UP=pre, _GU_COPIES=1)
-
-
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
 def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
@@ -446,8 +437,6 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
     moe_knobs(_GU_HALVES=True, _RPB_GATE_UP=4, _NW_GATE_UP=6)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
-    moe_knobs(_GU_COPIES=1)                         # the tables in one copy
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
