@@ -2162,6 +2162,7 @@ _R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many 
                      # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
 _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
+_DOWN_SB_AHEAD = 1   # moe_down_sb's weight groups in flight before its activation is staged (1 or 2)
                      # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
                      # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
                      # 16: 11.0 before the activation was staged after the first copies)
@@ -2658,7 +2659,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R):
+def _moe_down_sb_kernel(NSB, R, AHEAD=1):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2682,8 +2683,13 @@ def _moe_down_sb_kernel(NSB, R):
     same bits. scripts/check_moe_decode_sim.py checks them without a GPU.
 
     The activation is staged after the first weight group's copies have started (H200 kbench,
-    session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3)."""
-    assert 1 <= NSB <= 8 and R % 4 == 0
+    session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3).
+
+    AHEAD = 2 (_DOWN_SB_AHEAD, an experiment): the copies of groups 0 and 1 both start before the
+    activation is staged (the two stages are free then), and group g + 2's after group g is
+    computed; with AHEAD = 1 group 1's copies start only once the staging's loads have returned.
+    The same words: the same bits."""
+    assert 1 <= NSB <= 8 and R % 4 == 0 and AHEAD in (1, 2)
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
     GW = 4 * RW                          # words per group of 4 rows (one stage)
@@ -2735,11 +2741,15 @@ def _moe_down_sb_kernel(NSB, R):
         rw = rb >> 2
         aligned = (ebase & 15) == 0 and (rb & 15) == 0
         fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
+        if AHEAD == 2:
+            cp_async_commit()
+            fetch(su, a32, so, wbase, rw, nr, aligned, lane, 1)
         stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
         cp_async_commit()
         for g in range(1, NG + 1):
-            fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
-            cp_async_commit()
+            if AHEAD == 1:
+                fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
+                cp_async_commit()
             gg = g - 1                                # compute group gg (its copies are done)
             cp_async_wait1()
             _warp_sync()
@@ -2770,6 +2780,9 @@ def _moe_down_sb_kernel(NSB, R):
             if sb == 0 and row < nr:
                 sf[_ix(k * R + row)] = v
             _warp_sync()                              # the stage is free for group gg + 2
+            if AHEAD == 2:
+                fetch(su, a32, so, wbase, rw, nr, aligned, lane, gg + 2)
+                cp_async_commit()
         cuda.syncthreads()
         _add_slots(sf, R, nr, r0, n_used, scale, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
 
@@ -3890,7 +3903,8 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        kernel = _cached(_moe_down_sb_kernel, NSB, R)
+        kernel = (_cached(_moe_down_sb_kernel, NSB, R, 2) if _DOWN_SB_AHEAD == 2
+                  else _cached(_moe_down_sb_kernel, NSB, R))
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

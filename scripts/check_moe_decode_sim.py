@@ -205,21 +205,26 @@ def halves_checks():
     return bad
 
 
+AHEAD2 = True   # moe_down_sb with two weight groups in flight before the staging (_DOWN_SB_AHEAD)
+
+
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
     # 3 (768: rows word by word), 1 (256); experts on and 4 bytes off 16 (word by word); rows
     # per block 4 and 8; a partial last block and group (n_embd 7 or 10)
     for n_ff, n_embd, R, shift, hc in ((2048, 10, 8, 0, False), (1024, 7, 4, 0, True), (1024, 9, 8, 4, False),
-                                       (768, 5, 4, 0, False), (256, 6, 4, 0, False), (768, 5, 4, 4, True)):
+                                       (768, 5, 4, 0, False), (256, 6, 4, 0, False), (768, 5, 4, 4, True),
+                                       (2048, 26, 12, 0, False)):
         _knobs(_DOWN_SB=0, _R_DOWN_SLOTS=0, _NW_DOWN=2)
         ref = down(n_ff, n_embd, 3, 6, hc, shift)
-        _knobs(_DOWN_SB=R)
-        ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} down sb: K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16"
-              f"{', HC post' if hc else ''}", flush=True)
-    _knobs(_DOWN_SB=0)
+        for ahead in ((1, 2) if AHEAD2 else (1,)):
+            _knobs(_DOWN_SB=R, _DOWN_SB_AHEAD=ahead)
+            ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} down sb: K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16"
+                  f"{', HC post' if hc else ''}{', two groups ahead' if ahead == 2 else ''}", flush=True)
+    _knobs(_DOWN_SB=0, _DOWN_SB_AHEAD=1)
     return bad
 
 

@@ -13,8 +13,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_moe_decode_sim.py"
 
 
-# the cases each part prints: down 6 (rows of 8, 4, 3, 1 super-blocks), halves 4 (K 256 .. 4096)
-@pytest.mark.parametrize("which,n_cases", [("down", 6), ("halves", 4)])
+# the cases each part prints: down 14 (rows of 8, 4, 3, 1 super-blocks, each with one and two
+# weight groups ahead), halves 4 (K 256 .. 4096)
+@pytest.mark.parametrize("which,n_cases", [("down", 14), ("halves", 4)])
 def test_moe_decode_variants_give_the_shipped_bits_in_the_simulator(which, n_cases):
     r = subprocess.run([sys.executable, str(SCRIPT), which], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "all MoE decode simulator checks passed" in r.stdout, \
