@@ -2162,11 +2162,12 @@ _R_DOWN_SLOTS = 8    # > 0: moe_down_decode_slots (one warp per slot, this many 
                      # (H200, session 15): 12.1 us against 16.5 (R 4: 13.6, R 16: 15.5)
 _REGS_DOWN_SLOTS = 0  # its register cap (0: none)
 _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many output rows per block
-_DOWN_SB_AHEAD = 1   # moe_down_sb's weight groups in flight before its activation is staged (1 or 2)
-_DOWN_SB_EARLY = False  # moe_down_sb starts those copies before pdl_enter (the grid before still running)
                      # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
                      # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
                      # 16: 11.0 before the activation was staged after the first copies)
+_DOWN_SB_AHEAD = 1   # moe_down_sb's weight groups in flight before its activation is staged (1 or 2;
+                     # session 31, not yet timed)
+_DOWN_SB_EARLY = False  # moe_down_sb starts those copies before pdl_enter (session 31, not yet timed)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)

@@ -205,20 +205,17 @@ def halves_checks():
     return bad
 
 
-AHEAD2 = True   # moe_down_sb with two weight groups in flight before the staging (_DOWN_SB_AHEAD)
-
-
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
     # 3 (768: rows word by word), 1 (256); experts on and 4 bytes off 16 (word by word); rows
-    # per block 4 and 8; a partial last block and group (n_embd 7 or 10)
+    # per block 4, 8 and 12 (three groups); a partial last block and group (n_embd 7, 10 or 26)
     for n_ff, n_embd, R, shift, hc in ((2048, 10, 8, 0, False), (1024, 7, 4, 0, True), (1024, 9, 8, 4, False),
                                        (768, 5, 4, 0, False), (256, 6, 4, 0, False), (768, 5, 4, 4, True),
                                        (2048, 26, 12, 0, False)):
         _knobs(_DOWN_SB=0, _R_DOWN_SLOTS=0, _NW_DOWN=2)
         ref = down(n_ff, n_embd, 3, 6, hc, shift)
-        for ahead in ((1, 2) if AHEAD2 else (1,)):
+        for ahead in (1, 2):            # weight groups in flight before the staging (_DOWN_SB_AHEAD)
             _knobs(_DOWN_SB=R, _DOWN_SB_AHEAD=ahead)
             ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
             bad += not ok
