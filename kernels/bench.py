@@ -835,13 +835,12 @@ def bench_tune_down(timer, copy_bw, rng, log, moe):
     memory by cp.async; ptxas sm_90: 44 registers, ~300 SASS instructions per 4 rows and slot of
     8 super-blocks against ~1,000 for moe_down_decode_slots). Same bits checked against the first
     variant; the first two come again at the end (drift)."""
-    names = ("_DOWN_SB", "_R_DOWN_SLOTS", "_DOWN_SB_AHEAD", "_DOWN_SB_EARLY")
-    variants = [(0, 8, 1, False), (8, 8, 1, False), (8, 8, 2, False), (8, 8, 1, True), (8, 8, 2, True),
-                (16, 8, 2, True), (0, 8, 1, False), (8, 8, 1, False), (8, 8, 2, False), (8, 8, 2, True)]
+    names = ("_DOWN_SB", "_R_DOWN_SLOTS", "_DOWN_SB_AHEAD")
+    variants = [(0, 8, 1), (8, 8, 1), (8, 8, 2), (12, 8, 2), (16, 8, 2), (0, 8, 1), (8, 8, 1), (8, 8, 2)]
 
     def describe(k):
-        return (f"sb R {k['_DOWN_SB']} ahead {k['_DOWN_SB_AHEAD']}{' early' if k['_DOWN_SB_EARLY'] else ''}"
-                if k["_DOWN_SB"] else f"slots R {k['_R_DOWN_SLOTS']}")
+        return (f"sb R {k['_DOWN_SB']} ahead {k['_DOWN_SB_AHEAD']}" if k["_DOWN_SB"]
+                else f"slots R {k['_R_DOWN_SLOTS']}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -2167,7 +2167,6 @@ _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many 
                      # 16: 11.0 before the activation was staged after the first copies)
 _DOWN_SB_AHEAD = 1   # moe_down_sb's weight groups in flight before its activation is staged (1 or 2;
                      # session 31, not yet timed)
-_DOWN_SB_EARLY = False  # moe_down_sb starts those copies before pdl_enter (session 31, not yet timed)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2661,7 +2660,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R, AHEAD=1, EARLY=False):
+def _moe_down_sb_kernel(NSB, R, AHEAD=1):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2690,11 +2689,7 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1, EARLY=False):
     AHEAD = 2 (_DOWN_SB_AHEAD, an experiment): the copies of groups 0 and 1 both start before the
     activation is staged (the two stages are free then), and group g + 2's after group g is
     computed; with AHEAD = 1 group 1's copies start only once the staging's loads have returned.
-    EARLY (_DOWN_SB_EARLY, an experiment): those first copies start before pdl_enter(), while the
-    grid before (the Q8_K of mid) still runs. Safe: they read slot_off and the expert weights, and
-    this grid is launched only once the grid before has passed its own griddepcontrol.wait, that
-    is after gate/up, which read the same slot_off, completed; only the activation (mq32, md, mbs:
-    the grid before's output) is read after the wait. The same words: the same bits."""
+    The same words: the same bits."""
     assert 1 <= NSB <= 8 and R % 4 == 0 and AHEAD in (1, 2)
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
@@ -2730,8 +2725,7 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1, EARLY=False):
     @_jit_capped(0)
     def moe_down_sb(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out,
                     grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
-        if not EARLY:
-            pdl_enter()
+        pdl_enter()
         su = cuda.shared.array(0, uint32)             # dynamic shared memory, as words ...
         sf = cuda.shared.array(0, float32)            # ... and as floats (the same bytes)
         part_n = (n_used * R + 3) & ~3                # [n_used, R] slot results first
@@ -2751,8 +2745,6 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1, EARLY=False):
         if AHEAD == 2:
             cp_async_commit()
             fetch(su, a32, so, wbase, rw, nr, aligned, lane, 1)
-        if EARLY:
-            pdl_enter()                               # the activation is the grid before's output
         stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
         cp_async_commit()
         for g in range(1, NG + 1):
@@ -3912,8 +3904,8 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        kernel = (_cached(_moe_down_sb_kernel, NSB, R, _DOWN_SB_AHEAD, _DOWN_SB_EARLY)
-                  if _DOWN_SB_AHEAD == 2 or _DOWN_SB_EARLY else _cached(_moe_down_sb_kernel, NSB, R))
+        kernel = (_cached(_moe_down_sb_kernel, NSB, R, 2) if _DOWN_SB_AHEAD == 2
+                  else _cached(_moe_down_sb_kernel, NSB, R))
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

@@ -170,7 +170,6 @@ quant = {
  "moe_down_sb Q2_K (8 rows)": (lambda: qk._moe_down_sb_kernel(8, 8), moe_down),
  "moe_down_sb Q2_K (3 super-blocks, 4 rows)": (lambda: qk._moe_down_sb_kernel(3, 4), moe_down),
  "moe_down_sb Q2_K (8 rows, two groups ahead)": (lambda: qk._moe_down_sb_kernel(8, 8, 2), moe_down),
- "moe_down_sb Q2_K (8 rows, two groups ahead, before pdl_enter)": (lambda: qk._moe_down_sb_kernel(8, 8, 2, True), moe_down),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

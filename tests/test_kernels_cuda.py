@@ -603,29 +603,28 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff)
 
 
-@pytest.mark.parametrize("ahead,early", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("sb_rows,n_ff,extra", [(8, 2048, 0), (4, 2048, 4), (8, 1024, 0), (4, 768, 0),
                                                 (12, 256, 0), (16, 2048, 0)])
-def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, ahead, early, moe_knobs):
+def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, ahead, moe_knobs):
     """moe_down_sb (_DOWN_SB: a lane per super-block, the rows through shared memory by cp.async)
     against a Q2_K matvec per slot added in slot order, bit for bit: the flash rows (2048: 8
     super-blocks) with the experts on a 16-byte boundary (cp.async) and 4 bytes off one (word
     copies), 4 and 3 super-blocks (768: word copies), one, and 4 to 16 rows per block (the 384
     rows: partial last blocks with 12 and 16); with one and two weight groups in flight before
-    the activation is staged (_DOWN_SB_AHEAD), started before pdl_enter (_DOWN_SB_EARLY)."""
-    moe_knobs(_DOWN_SB=sb_rows, _DOWN_SB_AHEAD=ahead, _DOWN_SB_EARLY=early)
+    the activation is staged (_DOWN_SB_AHEAD)."""
+    moe_knobs(_DOWN_SB=sb_rows, _DOWN_SB_AHEAD=ahead)
     assert K.down_sb_applies(F.Q2_K, n_ff, 6, sb_rows)
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs, early):
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs, ahead):
     """One flash-shaped decode MoE with moe_down_sb and moe_gate_up_halves (the engine's decode
-    MoE) against the first MoE decode kernels: mid and the output bit for bit (and with the down
-    weights' copies started before pdl_enter, _DOWN_SB_EARLY)."""
+    MoE) against the first MoE decode kernels: mid and the output bit for bit (and with two down
+    weight groups in flight before the activation is staged, _DOWN_SB_AHEAD)."""
     _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _DOWN_SB=8,
-                                      _R_DOWN_SLOTS=8, _DOWN_SB_AHEAD=2 if early else 1,
-                                      _DOWN_SB_EARLY=early)
+                                      _R_DOWN_SLOTS=8, _DOWN_SB_AHEAD=ahead)
 
 
 def _assert_down_equals_slot_matvecs(n_ff, extra=0):
