@@ -3904,8 +3904,8 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        kernel = (_cached(_moe_down_sb_kernel, NSB, R, 2) if _DOWN_SB_AHEAD == 2
-                  else _cached(_moe_down_sb_kernel, NSB, R))
+        # the default AHEAD is left out of the key: kernels/manifest.json lists (NSB, R)
+        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((2,) if _DOWN_SB_AHEAD == 2 else ()))
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))
