@@ -4,6 +4,11 @@ Needs NVVM and NVRTC (`pip install "cuda-toolkit[nvvm,nvrtc,cudart]==13.0.*"`); 
 errors before any device time is spent: `python scripts/check_cuda_compile.py`. With `--ptxas`
 (ptxas on PATH) each PTX is also assembled for sm_90 and its registers, spills and stack frame
 are printed: a stack frame means a local array numba could not keep in registers (hc_pre had one).
+With `--parity` each kernel is compiled twice, with NVVM's default fused multiply-add contraction
+and with it off, and the report says what a CPU twin must reproduce to give the same bits: how
+many f32 / f64 `a * b + c` NVVM fused on its own (the CPU's LLVM fuses none), and the operations
+whose results IEEE does not fix (ex2.approx from expf, other .approx forms), which no CPU twin can
+match bit for bit. sqrt.rn, div.rn and rcp.rn are correctly rounded, as on the CPU.
 
 Imported (not run), it is the catalogue of kernels: `sigs` (cuda_ops) and `quant` (the factory
 kernels of kernels/cuda.py), which tests/test_kernels.py reads."""
@@ -189,11 +194,47 @@ quant = {
 }
 
 
+def _without_contraction():
+    """NVVM's compile_ir with fma contraction off (numba-cuda passes fma=1 only under fastmath,
+    and NVVM contracts by default), for --parity's second compile."""
+    from numba.cuda.cudadrv import nvvm
+    compile_ir = nvvm.compile_ir
+
+    def no_fma(llvmir, **options):
+        return compile_ir(llvmir, **dict(options, fma=False))
+    return nvvm, compile_ir, no_fma
+
+
+def parity_summary(compile_ptx) -> str:
+    """Fused f32 / f64 multiply-adds NVVM made on its own (default compile minus the compile with
+    contraction off) and the PTX operations whose results IEEE leaves to the hardware."""
+    import re
+    from collections import Counter
+    nvvm, compile_ir, no_fma = _without_contraction()
+    counts, libdevice = [], set()
+    for contract in (True, False):
+        def compile_ir_seen(llvmir, **options):
+            for mod in [llvmir] if isinstance(llvmir, str) else llvmir:
+                libdevice.update(re.findall(r'call [^@]*@"?__nv_(\w+)', mod))
+            return (compile_ir if contract else no_fma)(llvmir, **options)
+        nvvm.compile_ir = compile_ir_seen
+        try:
+            ptx = compile_ptx()
+        finally:
+            nvvm.compile_ir = compile_ir
+        counts.append(Counter(re.findall(r"^\s*(?:@%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)))
+    fused = [counts[0][f"fma.rn.{t}"] - counts[1][f"fma.rn.{t}"] for t in ("f32", "f64")]
+    approx = sorted(f"{op} x{n}" for op, n in counts[0].items() if ".approx" in op)
+    return (f"implicit fma f32 {fused[0]}, f64 {fused[1]}; libdevice: {', '.join(sorted(libdevice)) or 'none'}; "
+            f"approx: {', '.join(approx) or 'none'}")
+
+
 def main() -> None:
     import numba.cuda.dispatcher as _disp
     _disp.get_current_device = lambda: type("Dev", (), {"compute_capability": (9, 0)})()   # no GPU here
     bad = 0
     report = "--ptxas" in sys.argv
+    parity = "--parity" in sys.argv
     # --dump DIR: each kernel's PTX into DIR/<name>.ptx (a refactor meant to change no instruction:
     # dump before and after, then diff)
     dump = sys.argv[sys.argv.index("--dump") + 1] if "--dump" in sys.argv else None
@@ -212,6 +253,9 @@ def main() -> None:
         try:
             ptx, _ = cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))
             print("ok ", name, ptxas_summary(ptx, max_regs) if report else "")
+            if parity:
+                print("    parity:", parity_summary(
+                    lambda: cuda.compile_ptx(func(), sig, cc=(9, 0), launch_bounds=bounds.get(name))[0]))
             if dump:
                 import os
                 os.makedirs(dump, exist_ok=True)
