@@ -102,12 +102,26 @@ class Weights:
         return self.source.host(name)
 
 
-def mm(w: tuple[np.ndarray, int], x: np.ndarray) -> np.ndarray:
-    """x [n, K] -> [n, rows]: a matvec for one token, a matmul for a chunk (identical rows)."""
+def mm(w: tuple[np.ndarray, int], x: np.ndarray, order_rows: int | None = None) -> np.ndarray:
+    """x [n, K] -> [n, rows]: a matvec for one token, a matmul for a chunk (identical rows).
+    order_rows: the rows of the GPU engine's launch for this matrix (cpu.matmul)."""
     data, ggml_type = w
     if x.shape[0] == 1:
-        return cpu.matvec(data, ggml_type, np.ascontiguousarray(x[0]))[None, :]
-    return cpu.matmul(data, ggml_type, np.ascontiguousarray(x))
+        return cpu.matvec(data, ggml_type, np.ascontiguousarray(x[0]), order_rows)[None, :]
+    return cpu.matmul(data, ggml_type, np.ascontiguousarray(x), order_rows)
+
+
+def pair_rows(w_a: tuple[np.ndarray, int], w_b: tuple[np.ndarray, int]) -> int | None:
+    """order_rows of two matrices of one input: the GPU engine launches such a pair as one matrix
+    when their type and row length agree (forward_cuda's _proj_pair), which sets their sum order."""
+    together = w_a[1] == w_b[1] and w_a[0].shape[1] == w_b[0].shape[1]
+    return w_a[0].shape[0] + w_b[0].shape[0] if together else None
+
+
+def mm_pair(w_a: tuple[np.ndarray, int], w_b: tuple[np.ndarray, int], x: np.ndarray):
+    """mm of a pair of matrices of one input, in the GPU's pair order (pair_rows)."""
+    rows = pair_rows(w_a, w_b)
+    return mm(w_a, x, rows), mm(w_b, x, rows)
 
 
 # ---- state -----------------------------------------------------------------------------------------
@@ -266,11 +280,14 @@ class CpuEngine:
         n, ratio, rope, cache = X.shape[0], s.ratio(il), self.ropes[il], self.layers[il]
         y, post, comb = self._hc_pre(p + "hc_attn", X)
         x = ops.rms_norm_rows(y, w.vec(p + "attn_norm.weight"), s.rms_eps)
-        qrn = ops.rms_norm_rows(mm(w.mat(p + "attn_q_a.weight"), x), w.vec(p + "attn_q_a_norm.weight"), s.rms_eps)
+        q_a_kv = pair_rows(w.mat(p + "attn_q_a.weight"), w.mat(p + "attn_kv.weight"))
+        qrn = ops.rms_norm_rows(mm(w.mat(p + "attn_q_a.weight"), x, q_a_kv), w.vec(p + "attn_q_a_norm.weight"),
+                                s.rms_eps)
         q = mm(w.mat(p + "attn_q_b.weight"), qrn).reshape(n, s.n_head, s.head_dim)
         ops.rms_norm_heads_inplace(q, s.rms_eps)
         rope.rotate(q, pos0)
-        kv = ops.rms_norm_rows(mm(w.mat(p + "attn_kv.weight"), x), w.vec(p + "attn_kv_a_norm.weight"), s.rms_eps)
+        kv = ops.rms_norm_rows(mm(w.mat(p + "attn_kv.weight"), x, q_a_kv), w.vec(p + "attn_kv_a_norm.weight"),
+                               s.rms_eps)
         rope.rotate(kv.reshape(n, 1, s.head_dim), pos0)
         for t in range(n):
             ops.fp8_e4m3_sim_inplace(kv[t], s.n_nope)
@@ -278,11 +295,10 @@ class CpuEngine:
 
         # batched inputs of the per-token steps
         if ratio:
-            attn_kv = mm(w.mat(p + "attn_compressor_kv.weight"), x)
-            attn_sc = mm(w.mat(p + "attn_compressor_gate.weight"), x)
+            attn_kv, attn_sc = mm_pair(w.mat(p + "attn_compressor_kv.weight"), w.mat(p + "attn_compressor_gate.weight"), x)
         if ratio == 4:
-            idx_kv = mm(w.mat(p + "indexer_compressor_kv.weight"), x)
-            idx_sc = mm(w.mat(p + "indexer_compressor_gate.weight"), x)
+            idx_kv, idx_sc = mm_pair(w.mat(p + "indexer_compressor_kv.weight"),
+                                     w.mat(p + "indexer_compressor_gate.weight"), x)
             iq = mm(w.mat(p + "indexer.attn_q_b.weight"), qrn).reshape(n, s.n_ihead, s.idx_dim)
             rope.rotate(iq, pos0)
             for t in range(n):
@@ -341,7 +357,9 @@ class CpuEngine:
         low = np.empty((n, s.n_group * s.o_lora), dtype=np.float32)
         for g in range(s.n_group):
             rows = (data[g * s.o_lora:(g + 1) * s.o_lora], ggml_type)
-            low[:, g * s.o_lora:(g + 1) * s.o_lora] = mm(rows, np.ascontiguousarray(grouped[:, g]))
+            # the GPU launches all groups as one matrix of n_group·o_lora rows
+            low[:, g * s.o_lora:(g + 1) * s.o_lora] = mm(rows, np.ascontiguousarray(grouped[:, g]),
+                                                         s.n_group * s.o_lora)
         return mm(self.w.mat(p + "attn_output_b.weight"), low)
 
     # -- FFN (§6.11) -----------------------------------------------------------------------------
@@ -354,8 +372,7 @@ class CpuEngine:
         clamp = float(s.swiglu_clamp[il])
         gate, up, down = (w.mat(p + name) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
         routed = cpu.moe_batch(gate[0], up[0], down[0], gate[1], down[1], x, expert_ids, expert_w, clamp)
-        g = mm(w.mat(p + "ffn_gate_shexp.weight"), x)
-        u = mm(w.mat(p + "ffn_up_shexp.weight"), x)
+        g, u = mm_pair(w.mat(p + "ffn_gate_shexp.weight"), w.mat(p + "ffn_up_shexp.weight"), x)
         shared = mm(w.mat(p + "ffn_down_shexp.weight"), ops.swiglu_clamped_rows(g, u, clamp))
         return ops.hc_post_rows(routed + shared, X, post, comb)
 

@@ -171,12 +171,21 @@ def q8_k_activation(x: np.ndarray, hinted: bool = False) -> np.ndarray:
 
 def aligned_row(row: np.ndarray, pre: np.ndarray, rounding, key) -> np.ndarray:
     """A cache row `rounding(pre)`, with the engine's element where the reference's pre-rounding
-    value is within rel of the boundary that separates the two (see TieHints)."""
+    value is within rel of the boundary that separates the two (see TieHints): rel of the value
+    (the row scaled, which also moves a block's FP8 scale), or, for an element whose two sides
+    are neighbours, rel of the row's largest value (an f32 engine's error in an element is a
+    fraction of the row's magnitude, not of the element's: a small element near an f16 boundary)."""
     if _hints is None or key not in _hints.rows:
         return row
     engine = np.asarray(_hints.rows[key], dtype=np.float64)
     up, down = rounding(pre * (1 + _hints.rel)), rounding(pre * (1 - _hints.rel))
     take = (row != engine) & ((up == engine) | (down == engine))
+    window = _hints.rel * float(np.max(np.abs(pre), initial=0.0))
+    for i in np.flatnonzero((row != engine) & ~take):
+        boundary = (row[i] + engine[i]) / 2
+        across = pre.copy()
+        across[i] = 2 * boundary - pre[i]          # pre reflected across that boundary
+        take[i] = abs(pre[i] - boundary) <= window and rounding(across)[i] == engine[i]
     _hints.taken += int(take.sum())
     return np.where(take, engine, row)
 
@@ -573,7 +582,7 @@ def routed_experts(w: RefWeights, p: str, x, expert_ids, expert_w, clamp: float)
         g = w.expert(p + "ffn_gate_exps.weight", int(e)) @ xq
         u = w.expert(p + "ffn_up_exps.weight", int(e)) @ xq
         mid = silu(np.minimum(g, clamp)) * np.clip(u, -clamp, clamp) * we
-        out += w.expert(p + "ffn_down_exps.weight", int(e)) @ q8_k_activation(mid)
+        out += w.expert(p + "ffn_down_exps.weight", int(e)) @ q8_k_activation(mid, hinted=True)
     return out
 
 

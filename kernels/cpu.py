@@ -9,14 +9,21 @@ The arithmetic follows ds4-model.md §5.1:
   * IQ2_XXS, Q2_K, Q4_K weights x activation quantized to Q8_K (256 values, signed max,
     iscale = -127/max, d = 1/iscale, per-16 sums);
   * F16/F32 weights x the f32 activation, no quantization.
-Inside a block the dot product is an exact integer; across blocks it is summed in f32, in block
-order. Rows are independent, so matmul (many tokens) gives bit-identical rows to matvec.
+Inside a block the dot product is an exact integer; across blocks it is summed in f32, in the
+order the CUDA kernels use for the same launch shape (kernels/orders.py: lane-strided partial sums
+with fused multiply-adds, then a fixed butterfly, then the split-K warps in order), so that a row
+here has the bits of the same row on the GPU. Rows are independent, so matmul (many tokens) gives
+bit-identical rows to matvec.
 """
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from . import formats as F
+from . import orders
 from .precompile import built_once
 
 # f16 bit pattern -> f32 value for all 65536 patterns (exact, subnormals included).
@@ -108,8 +115,21 @@ def quantize_q8_k(x):
 
 
 # --------------------------------------------------------------------------------------------
-# Row dot products (one weight row against one prepared activation)
+# Row dot products (one weight row against one prepared activation), in the CUDA kernels' order
 # --------------------------------------------------------------------------------------------
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """a·b + c rounded once (f32), as the CUDA kernels' cuda.fma: LLVM never fuses a multiply
+    and an add on its own here (no fast-math), so the twins say where the GPU fuses."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fma, args)
+    return sig, codegen
+
 
 @njit(inline="always")
 def _f16(row, pos, lut):
@@ -123,22 +143,52 @@ def _u32(row, pos):
 
 
 @njit(inline="always")
-def _dot_q8_0(row, xq, xd, lut):
+def _q8_0_group(row, xq, xd, lut, g, w, S, U, nchunks):
+    """Lane group g's sum in warp w of a Q8_0 row: fma(d_w·d_x, isum, acc) over its blocks
+    8·step + g, its chunks (w, w + S, ...) of U steps in order."""
+    nb = xq.shape[0] // 32
     acc = np.float32(0.0)
-    for b in range(xq.shape[0] // 32):
-        base = 34 * b
-        wd = _f16(row, base, lut)
-        isum = 0
-        for i in range(32):
-            isum += np.int32(np.int8(row[base + 2 + i])) * np.int32(xq[32 * b + i])
-        acc += (wd * xd[b]) * np.float32(isum)
+    for c in range(w, nchunks, S):
+        for u in range(U):
+            b = (c * U + u) * 8 + g
+            if b < nb:
+                base = 34 * b
+                isum = 0
+                for i in range(32):
+                    isum += np.int32(np.int8(row[base + 2 + i])) * np.int32(xq[32 * b + i])
+                acc = _fma32(_f16(row, base, lut) * xd[b], np.float32(isum), acc)
     return acc
 
 
 @njit(inline="always")
-def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
-    sumf = np.float32(0.0)
-    for sb in range(xq.shape[0] // 256):
+def _dot_q8_0(row, xq, xd, lut, S, U, nchunks):
+    """The 8 group sums meet in the butterfly g ^ 4, g ^ 2, g ^ 1; S warps add in order."""
+    total = np.float32(0.0)
+    for w in range(S):
+        a0 = _q8_0_group(row, xq, xd, lut, 0, w, S, U, nchunks)
+        a1 = _q8_0_group(row, xq, xd, lut, 1, w, S, U, nchunks)
+        a2 = _q8_0_group(row, xq, xd, lut, 2, w, S, U, nchunks)
+        a3 = _q8_0_group(row, xq, xd, lut, 3, w, S, U, nchunks)
+        a4 = _q8_0_group(row, xq, xd, lut, 4, w, S, U, nchunks)
+        a5 = _q8_0_group(row, xq, xd, lut, 5, w, S, U, nchunks)
+        a6 = _q8_0_group(row, xq, xd, lut, 6, w, S, U, nchunks)
+        a7 = _q8_0_group(row, xq, xd, lut, 7, w, S, U, nchunks)
+        part = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+        total = part if w == 0 else total + part
+    return total
+
+
+@njit(inline="always")
+def _sum_groups_of_4(a0, a1, a2, a3):
+    """The K-quant kernels' butterfly over the 4 super-block groups: q ^ 2, then q ^ 1."""
+    return (a0 + a2) + (a1 + a3)
+
+
+@njit(inline="always")
+def _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, q):
+    """Group q's sum: fma(d_w·d_x, isum, acc) over super-blocks q, q + 4, ..."""
+    acc = np.float32(0.0)
+    for sb in range(q, xq.shape[0] // 256, 4):
         base = 66 * sb
         dd = _f16(row, base, lut) * xd[sb]
         bsum = 0
@@ -158,14 +208,23 @@ def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
                     else:
                         sumi += v
             bsum += sumi * ls
-        sumf += dd * np.float32(bsum)
-    return np.float32(0.125) * sumf
+        acc = _fma32(dd, np.float32(bsum), acc)
+    return acc
 
 
 @njit(inline="always")
-def _dot_q2_k(row, xq, xd, xbs, lut):
-    sumf = np.float32(0.0)
-    for sb in range(xq.shape[0] // 256):
+def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
+    return np.float32(0.125) * _sum_groups_of_4(_iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 0),
+                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 1),
+                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 2),
+                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 3))
+
+
+@njit(inline="always")
+def _q2_k_group(row, xq, xd, xbs, lut, q):
+    """Group q's sum of the terms fma(d_x·d, isum, −(d_x·dmin)·summs) of super-blocks q, q + 4, ..."""
+    acc = np.float32(0.0)
+    for sb in range(q, xq.shape[0] // 256, 4):
         base = 84 * sb
         d = _f16(row, base + 80, lut)
         dmin = _f16(row, base + 82, lut)
@@ -187,8 +246,14 @@ def _dot_q2_k(row, xq, xd, xbs, lut):
                     for l in range(16):
                         isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> (2 * s)) & 3)
                     isum += sc * isuml
-        sumf += dall * np.float32(isum) - dmn * np.float32(summs)
-    return sumf
+        acc = acc + _fma32(dall, np.float32(isum), -(dmn * np.float32(summs)))
+    return acc
+
+
+@njit(inline="always")
+def _dot_q2_k(row, xq, xd, xbs, lut):
+    return _sum_groups_of_4(_q2_k_group(row, xq, xd, xbs, lut, 0), _q2_k_group(row, xq, xd, xbs, lut, 1),
+                            _q2_k_group(row, xq, xd, xbs, lut, 2), _q2_k_group(row, xq, xd, xbs, lut, 3))
 
 
 @njit(inline="always")
@@ -205,9 +270,10 @@ def _q4_k_scale_min(row, base, j):
 
 
 @njit(inline="always")
-def _dot_q4_k(row, xq, xd, xbs, lut):
-    sumf = np.float32(0.0)
-    for sb in range(xq.shape[0] // 256):
+def _q4_k_group(row, xq, xd, xbs, lut, q):
+    """As _q2_k_group, for Q4_K super-blocks."""
+    acc = np.float32(0.0)
+    for sb in range(q, xq.shape[0] // 256, 4):
         base = 144 * sb
         d = _f16(row, base, lut)
         dmin = _f16(row, base + 2, lut)
@@ -223,23 +289,55 @@ def _dot_q4_k(row, xq, xd, xbs, lut):
             for l in range(32):
                 isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> shift) & 15)
             isum += sc * isuml
-        sumf += (xd[sb] * d) * np.float32(isum) - (xd[sb] * dmin) * np.float32(summs)
-    return sumf
-
-
-@njit(inline="always")
-def _dot_f16(row, x, lut):
-    acc = np.float32(0.0)
-    for i in range(x.shape[0]):
-        acc += _f16(row, 2 * i, lut) * x[i]
+        acc = acc + _fma32(xd[sb] * d, np.float32(isum), -((xd[sb] * dmin) * np.float32(summs)))
     return acc
 
 
 @njit(inline="always")
-def _dot_row(wtype, row, xf, xq, xd, xbs, lut, grid, ksigns):
-    """One row of a quantized or F16 type against the activation prepared for that type."""
+def _dot_q4_k(row, xq, xd, xbs, lut):
+    return _sum_groups_of_4(_q4_k_group(row, xq, xd, xbs, lut, 0), _q4_k_group(row, xq, xd, xbs, lut, 1),
+                            _q4_k_group(row, xq, xd, xbs, lut, 2), _q4_k_group(row, xq, xd, xbs, lut, 3))
+
+
+@njit(inline="always")
+def _f16_pair(row, x, lut, p, acc):
+    acc = _fma32(_f16(row, 4 * p, lut), x[2 * p], acc)
+    return _fma32(_f16(row, 4 * p + 2, lut), x[2 * p + 1], acc)
+
+
+@njit(inline="always")
+def _dot_f16(row, x, lut, S):
+    """Lane l of warp w: fma over weight pairs 32·step + l (steps w, w + S, ...; the last, partial
+    step in warp nfull % S), then the butterfly l ^ 16, 8, 4, 2, 1; S warps add in order."""
+    npairs = x.shape[0] // 2
+    nfull = npairs >> 5
+    lanes = np.empty(32, np.float32)
+    total = np.float32(0.0)
+    for w in range(S):
+        for lane in range(32):
+            acc = np.float32(0.0)
+            for step in range(w, nfull, S):
+                acc = _f16_pair(row, x, lut, step * 32 + lane, acc)
+            if (npairs & 31) != 0 and nfull % S == w and nfull * 32 + lane < npairs:
+                acc = _f16_pair(row, x, lut, nfull * 32 + lane, acc)
+            lanes[lane] = acc
+        m = 16
+        while m >= 1:
+            for lane in range(m):
+                lanes[lane] = lanes[lane] + lanes[lane + m]
+            m //= 2
+        total = lanes[0] if w == 0 else total + lanes[0]
+    if x.shape[0] & 1:                   # odd K (the GPU takes even K only): the last weight last
+        total = _fma32(_f16(row, 2 * (x.shape[0] - 1), lut), x[x.shape[0] - 1], total)
+    return total
+
+
+@njit(inline="always")
+def _dot_row(wtype, row, xf, xq, xd, xbs, lut, grid, ksigns, S, U, nchunks):
+    """One row of a quantized or F16 type against the activation prepared for that type; S, U,
+    nchunks: the GPU launch's split (orders.q8_0_order for Q8_0, S = orders.f16_split for F16)."""
     if wtype == _Q8_0:
-        return _dot_q8_0(row, xq, xd, lut)
+        return _dot_q8_0(row, xq, xd, lut, S, U, nchunks)
     elif wtype == _IQ2_XXS:
         return _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns)
     elif wtype == _Q2_K:
@@ -247,7 +345,7 @@ def _dot_row(wtype, row, xf, xq, xd, xbs, lut, grid, ksigns):
     elif wtype == _Q4_K:
         return _dot_q4_k(row, xq, xd, xbs, lut)
     else:
-        return _dot_f16(row, xf, lut)
+        return _dot_f16(row, xf, lut, S)
 
 
 @njit(inline="always")
@@ -288,7 +386,7 @@ def _matmul_kernel(wtype):
     WTYPE = int(wtype)
 
     @njit(parallel=True, cache=True)
-    def matmul_kernel(w, X, out, lut, grid, ksigns):
+    def matmul_kernel(w, X, out, lut, grid, ksigns, S, U, nchunks):
         n_tok, K = X.shape
         rows = w.shape[0]
         xq = np.empty((n_tok, K), np.int8)
@@ -300,7 +398,7 @@ def _matmul_kernel(wtype):
         for r in prange(rows):
             row = w[r]
             for t in range(n_tok):
-                out[t, r] = _dot_row(WTYPE, row, X[t], xq[t], xd[t], xbs[t], lut, grid, ksigns)
+                out[t, r] = _dot_row(WTYPE, row, X[t], xq[t], xd[t], xbs[t], lut, grid, ksigns, S, U, nchunks)
 
     return matmul_kernel
 
@@ -323,10 +421,22 @@ def _check_weight(w, wtype, K):
         raise ValueError(f"row of {w.shape[1]} bytes does not hold {K} {F.TYPE_NAMES[wtype]} weights")
 
 
-def matmul(w, ggml_type, X):
+def gpu_split(ggml_type, order_rows: int, K: int) -> tuple[int, int, int]:
+    """(S, U, nchunks) of the GPU launch of `order_rows` rows of K weights: the order its rows
+    are summed in (kernels/orders.py; only Q8_0 and F16 rows depend on it)."""
+    if ggml_type == F.Q8_0:
+        return orders.q8_0_order(order_rows, K // 32)
+    if ggml_type == F.F16:
+        return orders.f16_split(order_rows, K), 0, 0
+    return 1, 0, 0
+
+
+def matmul(w, ggml_type, X, order_rows: int | None = None):
     """w: uint8[rows, row_bytes]; X: f32[n_tok, K] -> f32[n_tok, rows].
 
     Each token's activation is quantized on its own, so row t equals matvec(w, type, X[t]).
+    order_rows: the rows of the GPU launch that computes this matrix (the GPU engine launches
+    some matrices in pairs or groups, and the row count picks its split-K order); default: rows.
     """
     X = np.ascontiguousarray(X, dtype=np.float32)
     if X.ndim != 2:
@@ -340,16 +450,17 @@ def matmul(w, ggml_type, X):
             wf = wf.copy()
         _matmul_f32_kernel(wf, X, out)
         return out
-    _cached(_matmul_kernel, int(ggml_type))(w, X, out, F16_TO_F32, _GRID, _KSIGNS)
+    S, U, nchunks = gpu_split(ggml_type, order_rows or w.shape[0], X.shape[1])
+    _cached(_matmul_kernel, int(ggml_type))(w, X, out, F16_TO_F32, _GRID, _KSIGNS, S, U, nchunks)
     return out
 
 
-def matvec(w, ggml_type, x):
-    """w: uint8[rows, row_bytes]; x: f32[K] -> f32[rows]."""
+def matvec(w, ggml_type, x, order_rows: int | None = None):
+    """w: uint8[rows, row_bytes]; x: f32[K] -> f32[rows] (order_rows: see matmul)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 1:
         raise ValueError("x must be 1-D")
-    return matmul(w, ggml_type, x[None, :])[0]
+    return matmul(w, ggml_type, x[None, :], order_rows)[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,23 +478,26 @@ def _moe_kernel(gate_type, down_type):
     GATE_TYPE, DOWN_TYPE = int(gate_type), int(down_type)
 
     @njit(parallel=True, cache=True)
-    def moe_kernel(gate_w, up_w, down_w, X, ids, route_w, clamp, out, lut, grid, ksigns):
+    def moe_kernel(gate_w, up_w, down_w, X, ids, route_w, clamp, out, mids, lut, grid, ksigns, gate_split,
+                   down_split):
         n_tok, n_embd = X.shape
         n_used = ids.shape[1]
         n_ff = gate_w.shape[1]
+        gS, gU, gN = gate_split         # the GPU split of a gate/up and of a down row (gpu_split)
+        dS, dU, dN = down_split
         for t in range(n_tok):
             x = X[t]
             xq = np.empty(n_embd, np.int8)
             xd = np.empty(n_embd // 32, np.float32)
             xbs = np.empty(n_embd // 16, np.int32)
             _prepare(GATE_TYPE, x, xq, xd, xbs)
-            mid = np.empty((n_used, n_ff), np.float32)
+            mid = mids[t]
             for k in range(n_used):
                 e = ids[t, k]
                 wk = route_w[t, k]
                 for r in prange(n_ff):
-                    g = _dot_row(GATE_TYPE, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
-                    u = _dot_row(GATE_TYPE, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns)
+                    g = _dot_row(GATE_TYPE, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns, gS, gU, gN)
+                    u = _dot_row(GATE_TYPE, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns, gS, gU, gN)
                     g = min(g, clamp)
                     u = min(max(u, -clamp), clamp)
                     mid[k, r] = _silu(g) * u * wk
@@ -396,7 +510,7 @@ def _moe_kernel(gate_type, down_type):
                 _prepare(DOWN_TYPE, mid[k], mq, md, mbs)
                 for r in prange(n_embd):
                     acc[r] += _dot_row(DOWN_TYPE, down_w[e, r], mid[k], mq, md, mbs, lut, grid,
-                                       ksigns)
+                                       ksigns, dS, dU, dN)
             for r in range(n_embd):
                 out[t, r] = acc[r]
 
@@ -414,9 +528,11 @@ def _check_experts(gate_w, up_w, down_w, gate_type, down_type, n_embd):
         raise ValueError("down expert shape does not match (n_exp, n_embd, row_bytes(n_ff))")
 
 
-def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w, clamp):
+def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w, clamp, with_mids=False):
     """Routed experts for n_tok tokens: X f32[n_tok, n_embd], expert_ids int32[n_tok, n_used],
-    route_w f32[n_tok, n_used] -> f32[n_tok, n_embd]; each row equals moe() of that token."""
+    route_w f32[n_tok, n_used] -> f32[n_tok, n_embd]; each row equals moe() of that token.
+    with_mids: also return the down projections' inputs, f32[n_tok, n_used, n_ff] (a test's
+    view of the activations the down kernel quantizes)."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     ids = np.ascontiguousarray(expert_ids, dtype=np.int32)
     rw = np.ascontiguousarray(route_w, dtype=np.float32)
@@ -426,9 +542,12 @@ def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w
     if ids.size and (ids.min() < 0 or ids.max() >= gate_w.shape[0]):
         raise ValueError("expert id out of range")
     out = np.empty_like(X)
-    _cached(_moe_kernel, int(gate_type), int(down_type))(gate_w, up_w, down_w, X, ids, rw, np.float32(clamp),
-                                                         out, F16_TO_F32, _GRID, _KSIGNS)
-    return out
+    n_ff, n_embd = gate_w.shape[1], X.shape[1]
+    mids = np.empty((X.shape[0], ids.shape[1], n_ff), np.float32)
+    _cached(_moe_kernel, int(gate_type), int(down_type))(
+        gate_w, up_w, down_w, X, ids, rw, np.float32(clamp), out, mids, F16_TO_F32, _GRID, _KSIGNS,
+        gpu_split(gate_type, n_ff, n_embd), gpu_split(down_type, n_embd, n_ff))
+    return (out, mids) if with_mids else out
 
 
 def moe(gate_w, up_w, down_w, gate_type, down_type, x, expert_ids, route_w, clamp):

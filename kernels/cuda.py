@@ -30,6 +30,7 @@ from numba import complex64, cuda, float32, int32, int64, uint8, uint32, uint64
 from numba.cuda import libdevice
 
 from . import formats as F
+from . import orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
@@ -323,12 +324,9 @@ def _rows_per_block(S):
 
 
 def _dense_split(rows, chunks):
-    """Warps per row (a pure function of the shape, so matmul and matvec agree): enough warps
-    to fill the GPU when a matrix has few rows, but no more than the row has chunks of work."""
-    S = 1 if rows >= 8192 else 2 if rows >= 4096 else 4 if rows >= 2048 else 8
-    while S > 1 and S > chunks:
-        S //= 2
-    return S
+    """Warps per row (a pure function of the shape, so matmul and matvec agree, and the CPU twins
+    follow it: kernels/orders.py)."""
+    return orders.dense_split(rows, chunks)
 
 
 
@@ -366,23 +364,21 @@ def _cached(factory, *args):
     return built_once(_KERNELS, factory, *args)
 
 
-_Q8_0_U = 4    # steps (of 8 blocks) whose weights a warp loads before it uses the first
+_Q8_0_U = orders.Q8_0_U    # steps (of 8 blocks) whose weights a warp loads before it uses the first
 # From this many rows on a Q8_0 launch gives each row one warp. Measured on the H200 (kbench
 # tune_split, session 21): at 4096 rows (out_b K8192, shared gate+up, shared down) one warp per
 # row beats two by 12-17 % in decode and 20-28 % in prefill; the U=4 loads in flight per lane
 # already hide the latency that the second warp was there to cover. Below it (q_a+kv, 1536 rows)
 # the dense split still spreads a row over warps to fill the SMs.
-_Q8_0_S1_ROWS = 4096
+_Q8_0_S1_ROWS = orders.Q8_0_S1_ROWS
 
 
 def _q8_0_work(rows, nb):
     """(S warps per row, U steps per chunk, chunks per row) of a Q8_0 launch of `rows` rows of nb
     blocks. A pure function of the shape: it fixes the order in which a row's blocks are added, so
-    matvec, dp4a matmul and tensor-core matmul of one shape give the same bits."""
-    U = _Q8_0_U
-    nchunks = ((nb + 7) // 8 + U - 1) // U
-    S = 1 if rows >= _Q8_0_S1_ROWS else _dense_split(rows, nchunks)
-    return S, U, nchunks
+    matvec, dp4a matmul and tensor-core matmul of one shape give the same bits (and the CPU twin,
+    with the default knobs: kernels/orders.py)."""
+    return orders.q8_0_order(rows, nb, _Q8_0_U, _Q8_0_S1_ROWS)
 
 
 def _make_q8_0_chunk(T, U, scales_last=False):
@@ -1550,7 +1546,7 @@ def _launch_f16(arena, parts, K, n_tok, X, out, stream):
         if off + r * 2 * K > 4 * a32.size:
             raise ValueError("F16: tensor runs past the end of the arena")
     (off_a, rows_a), (off_b, _) = parts[0], parts[-1]
-    S = _dense_split(rows, (K // 2 + WARP - 1) // WARP)
+    S = orders.f16_split(rows, K)
     R, T = _F16_TILE_R, _F16_TILE_T
     if _F16_TILED and n_tok >= T and all(r >= R for _, r in parts):
         # every row group inside one matrix, every token tile inside the n_tok (see f16_rows_tiled)

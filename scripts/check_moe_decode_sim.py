@@ -10,6 +10,12 @@ q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
 the simulator's fma is a*b + c in f32); the device tests check the compiled kernels.
 
+`... twins` runs the decode matvecs (Q8_0 rows and pairs, F16, IQ2_XXS, Q2_K, and the routed down
+projection with its slot sums) against their CPU twins (kernels/cpu.py), which follow the kernels'
+sum order: bit for bit, with the simulator's fma made a true fused multiply-add (the CPU twin's).
+Their only f32 arithmetic is written out (no multiply-add for NVVM to fuse on its own:
+check_cuda_compile.py --parity), so the simulated bits are the GPU's.
+
 The simulator has no warp shuffles: shfl_xor_sync is a rendezvous of the warp's 32 threads. The
 activations are quantized by the CPU twin (kernels/cpu.py, the same bits as quantize_q8_k).
 Slow (Python threads): small shapes.
@@ -188,6 +194,100 @@ def q8_0_pairs_same(rows, Kd, U, seed=5):
     return all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
 
 
+def _exact_fma():
+    """The simulator's cuda.fma as one rounding (the CPU twins' llvm.fma), not a*b + c; an f32 result
+    (numba returns a Python float, and f64 sums after it would hide the kernel's f32 order)."""
+    from numba import njit
+
+    @njit
+    def fma32(a, b, c):
+        return cpu._fma32(a, b, c)
+    kernelapi.FakeCUDAModule.fma = lambda self, a, b, c: np.float32(fma32(np.float32(a), np.float32(b), np.float32(c)))
+
+
+def _same(name, got, want):
+    ok = np.array_equal(np.asarray(got, np.float32).view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
+    print(f"{'ok ' if ok else 'BAD'} {name}: simulated kernel = CPU twin, bit for bit"
+          + ("" if ok else f" (max |Δ| {np.max(np.abs(np.asarray(got) - np.asarray(want))):.3g})"), flush=True)
+    return ok
+
+
+def twins_checks():
+    """The decode matvecs against the CPU twins: split-K 1, 2 and 4 warps per row (Q8_0: rows
+    3 x K 256, 5 x 1280, 4 x 4096; F16: 3 x 64 (one step), 3 x 256, 5 x 330 (a partial step)),
+    a Q8_0 pair launch (its rows set the split), the pairs kernel on scales-last rows, IQ2_XXS
+    rows of 1, 5 and 16 super-blocks, Q2_K rows of 1, 3 and 8, and the routed down projection of
+    3 slots (K 256 and 2048)."""
+    _exact_fma()
+    rng = np.random.default_rng(11)
+    bad = 0
+    for rows, Kd in ((3, 256), (5, 1280), (4, 4096)):
+        w = TD.random_weights(F.Q8_0, (rows, Kd), rng)
+        x = rng.standard_normal(Kd).astype(np.float32)
+        q, d = cpu.quantize_q8_0(x)
+        arena, (off,) = _arena([w])
+        out = cuda.device_array(rows, np.float32)
+        K.matvec_q8_0(arena, off, rows, Kd, cuda.to_device(q), cuda.to_device(d), out)
+        S = K._q8_0_work(rows, Kd // 32)[0]
+        bad += not _same(f"Q8_0 {rows} x {Kd} (split-K {S})", out.copy_to_host(), cpu.matvec(w, F.Q8_0, x))
+    # a pair launch: 2 + 3 rows of K 1280 sum in the order of a 5-row launch; then the pairs
+    # kernel (one warp per row, scales-last rows) on rows of 4096 rows' order (S = 1)
+    wa, wb = TD.random_weights(F.Q8_0, (2, 1280), rng), TD.random_weights(F.Q8_0, (3, 1280), rng)
+    x = rng.standard_normal(1280).astype(np.float32)
+    q, d = cpu.quantize_q8_0(x)
+    arena, (oa, ob) = _arena([wa, wb])
+    out = cuda.device_array(5, np.float32)
+    K.matvec_q8_0_pair(arena, oa, 2, ob, 3, 1280, cuda.to_device(q), cuda.to_device(d), out)
+    want = np.concatenate([cpu.matvec(wa, F.Q8_0, x, order_rows=5), cpu.matvec(wb, F.Q8_0, x, order_rows=5)])
+    bad += not _same("Q8_0 pair 2 + 3 x 1280", out.copy_to_host(), want)
+    saved = {n: getattr(K, n) for n in ("_Q8_0_S1_ROWS", "_Q8_0_PAIRS")}
+    _knobs(_Q8_0_S1_ROWS=1, _Q8_0_PAIRS=True)           # one warp per row: the order of >= 4096 rows
+    w = TD.random_weights(F.Q8_0, (3, 768), rng)
+    x = rng.standard_normal(768).astype(np.float32)
+    q, d = cpu.quantize_q8_0(x)
+    arena, (off,) = _arena([w])
+    K.q8_0_relayout(arena, off, 3, 768)
+    out = cuda.device_array(3, np.float32)
+    K.matvec_q8_0(arena, off, 3, 768, cuda.to_device(q), cuda.to_device(d), out, scales_last=True)
+    _knobs(**saved)
+    bad += not _same("q8_0_pairs 3 x 768, scales-last rows", out.copy_to_host(), cpu.matvec(w, F.Q8_0, x, order_rows=4096))
+    for rows, Kd in ((3, 64), (3, 256), (5, 330)):
+        w = TD.random_weights(F.F16, (rows, Kd), rng)
+        x = rng.standard_normal(Kd).astype(np.float32)
+        arena, (off,) = _arena([w])
+        out = cuda.device_array(rows, np.float32)
+        K.matvec_f16(arena, off, rows, Kd, cuda.to_device(x), out)
+        bad += not _same(f"F16 {rows} x {Kd} (split-K {K.orders.f16_split(rows, Kd)})", out.copy_to_host(),
+                         cpu.matvec(w, F.F16, x))
+    for wtype, shapes in ((F.IQ2_XXS, ((3, 256), (2, 1280), (2, 4096))), (F.Q2_K, ((3, 256), (2, 768), (2, 2048)))):
+        for rows, Kd in shapes:
+            w = TD.random_weights(wtype, (rows, Kd), rng)
+            x = rng.standard_normal(Kd).astype(np.float32)
+            xq, xd, xbs = _q8k(x)
+            arena, (off,) = _arena([w])
+            out = cuda.device_array(rows, np.float32)
+            if wtype == F.IQ2_XXS:
+                K.matvec_iq2_xxs(arena, off, rows, Kd, xq, xd, out)
+            else:
+                K.matvec_q2_k(arena, off, rows, Kd, xq, xd, xbs, out)
+            bad += not _same(f"{F.TYPE_NAMES[wtype]} {rows} x {Kd}", out.copy_to_host(), cpu.matvec(w, wtype, x))
+    # the routed down projection (the shipped decode kernel, moe_down_sb): slots added in order
+    for n_ff, n_embd in ((256, 6), (2048, 9)):
+        w = TD.random_weights(F.Q2_K, (3, n_embd, n_ff), rng)
+        mid = rng.standard_normal((3, n_ff)).astype(np.float32)
+        arena, (od,) = _arena([w])
+        stride = w.shape[1] * w.shape[2]
+        so = cuda.to_device(np.array([[0, 0, od + k * stride] for k in range(3)], np.int64))
+        mq, md, mbs = _q8k(mid)
+        out = cuda.device_array(n_embd, np.float32)
+        K.moe_down(arena, so, F.Q2_K, n_ff, n_embd, mq, md, mbs, out)
+        want = np.zeros(n_embd, np.float32)
+        for k in range(3):
+            want += cpu.matvec(w[k], F.Q2_K, mid[k])
+        bad += not _same(f"routed down, 3 slots, K {n_ff}", out.copy_to_host(), want)
+    return bad
+
+
 def halves_checks():
     bad = 0
     # moe_gate_up_halves (_GU_HALVES) against moe_gate_up_decode: one super-block (256: one lane
@@ -227,7 +327,11 @@ def down_sb_checks():
 
 def main():
     bad = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves": those only
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
+    if only == "twins":              # its exact fma stays patched in: run on its own
+        bad = twins_checks()
+        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
+        return 1 if bad else 0
     if only in ("down", "halves"):
         bad = down_sb_checks() if only == "down" else halves_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")

@@ -52,18 +52,20 @@ class EngineRecorder:
         mm, cpu = FC.mm, FC.cpu
         recorder = self
 
-        def recording_mm(w, x):
+        def recording_mm(w, x, order_rows=None):
             if w[1] == GGML_Q8_0:
                 recorder.q8_0.append(x[0].copy())
-            return mm(w, x)
+            return mm(w, x, order_rows)
 
         class RecordingCpu:
             def __getattr__(self, name):
                 return getattr(cpu, name)
 
             def moe_batch(self, *args):
-                recorder.q8_k.append(np.array(args[5][0]))
-                return cpu.moe_batch(*args)
+                out, mids = cpu.moe_batch(*args, with_mids=True)
+                # the reference quantizes x, then each slot's down input, in slot order
+                recorder.q8_k.extend([np.array(args[5][0])] + [m.copy() for m in mids[0]])
+                return out
 
         monkeypatch.setattr(FC, "mm", recording_mm)
         monkeypatch.setattr(FC, "cpu", RecordingCpu())

@@ -1,8 +1,9 @@
 """The MoE decode kernel variants of kernels/cuda.py in numba's CUDA simulator (no GPU):
 moe_down_sb (a lane per Q2_K super-block) and moe_gate_up_halves against the
-shipped decode kernels, bit for bit (scripts/check_moe_decode_sim.py, in a subprocess: it sets
-NUMBA_ENABLE_CUDASIM before numba loads). They check their indexing and sum order; the compiled
-kernels are tested on the GPU (test_kernels_cuda.py)."""
+shipped decode kernels, bit for bit, and the decode matvecs against their CPU twins, bit for bit
+(scripts/check_moe_decode_sim.py, in a subprocess: it sets NUMBA_ENABLE_CUDASIM before numba
+loads). They check their indexing and sum order; the compiled kernels are tested on the GPU
+(test_kernels_cuda.py)."""
 
 import subprocess
 import sys
@@ -14,8 +15,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_moe_decode_sim
 
 
 # the cases each part prints: down 14 (rows of 8, 4, 3, 1 super-blocks, each with one and two
-# weight groups ahead), halves 4 (K 256 .. 4096)
-@pytest.mark.parametrize("which,n_cases", [("down", 14), ("halves", 4)])
+# weight groups ahead), halves 4 (K 256 .. 4096), twins 16 (Q8_0 split-K 1 / 2 / 4, a pair launch
+# and the pairs kernel; F16 split-K 1 / 4 and a partial step; IQ2_XXS and Q2_K rows of 1 .. 16
+# super-blocks; the routed down projection's slot sums)
+@pytest.mark.parametrize("which,n_cases", [("down", 14), ("halves", 4), ("twins", 16)])
 def test_moe_decode_variants_give_the_shipped_bits_in_the_simulator(which, n_cases):
     r = subprocess.run([sys.executable, str(SCRIPT), which], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "all MoE decode simulator checks passed" in r.stdout, \
