@@ -478,13 +478,12 @@ def _moe_kernel(gate_type, down_type):
     GATE_TYPE, DOWN_TYPE = int(gate_type), int(down_type)
 
     @njit(parallel=True, cache=True)
-    def moe_kernel(gate_w, up_w, down_w, X, ids, route_w, clamp, out, mids, lut, grid, ksigns, gate_split,
-                   down_split):
+    def moe_kernel(gate_w, up_w, down_w, X, ids, route_w, clamp, out, mids, lut, grid, ksigns, gS, gU, gN,
+                   dS, dU, dN):
         n_tok, n_embd = X.shape
         n_used = ids.shape[1]
         n_ff = gate_w.shape[1]
-        gS, gU, gN = gate_split         # the GPU split of a gate/up and of a down row (gpu_split)
-        dS, dU, dN = down_split
+        # gS, gU, gN / dS, dU, dN: the GPU split of a gate/up and of a down row (gpu_split)
         for t in range(n_tok):
             x = X[t]
             xq = np.empty(n_embd, np.int8)
@@ -546,7 +545,7 @@ def moe_batch(gate_w, up_w, down_w, gate_type, down_type, X, expert_ids, route_w
     mids = np.empty((X.shape[0], ids.shape[1], n_ff), np.float32)
     _cached(_moe_kernel, int(gate_type), int(down_type))(
         gate_w, up_w, down_w, X, ids, rw, np.float32(clamp), out, mids, F16_TO_F32, _GRID, _KSIGNS,
-        gpu_split(gate_type, n_ff, n_embd), gpu_split(down_type, n_embd, n_ff))
+        *gpu_split(gate_type, n_ff, n_embd), *gpu_split(down_type, n_embd, n_ff))
     return (out, mids) if with_mids else out
 
 
