@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import formats as F
-from . import orders
+from . import numerics, orders
 from .precompile import built_once
 
 # f16 bit pattern -> f32 value for all 65536 patterns (exact, subnormals included).
@@ -467,9 +467,7 @@ def matvec(w, ggml_type, x, order_rows: int | None = None):
 # Routed experts (ds4-model.md §6.11)
 # --------------------------------------------------------------------------------------------
 
-@njit(inline="always")
-def _silu(z):
-    return z / (np.float32(1.0) + np.exp(-z))
+_swiglu = njit(inline="always")(numerics.swiglu)    # the CUDA kernels' SwiGLU (kernels/numerics.py)
 
 
 def _moe_kernel(gate_type, down_type):
@@ -497,9 +495,7 @@ def _moe_kernel(gate_type, down_type):
                 for r in prange(n_ff):
                     g = _dot_row(GATE_TYPE, gate_w[e, r], x, xq, xd, xbs, lut, grid, ksigns, gS, gU, gN)
                     u = _dot_row(GATE_TYPE, up_w[e, r], x, xq, xd, xbs, lut, grid, ksigns, gS, gU, gN)
-                    g = min(g, clamp)
-                    u = min(max(u, -clamp), clamp)
-                    mid[k, r] = _silu(g) * u * wk
+                    mid[k, r] = _swiglu(g, u, clamp, wk)
             acc = np.zeros(n_embd, np.float32)
             mq = np.empty(n_ff, np.int8)
             md = np.empty(n_ff // 32, np.float32)

@@ -15,6 +15,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import numerics
+
 NEG_INF = np.float32(-1e30)
 EMPTY_WINDOW = np.float32(-5e29)
 EXPERT_SUM_FLOOR = np.float32(2.0 ** -14)
@@ -436,13 +438,14 @@ def router_topk(logits, bias, n_used):
 
 # ---- FFN pieces ------------------------------------------------------------------------------------
 
+_swiglu = jit(numerics.swiglu)       # the CUDA kernels' SwiGLU (kernels/numerics.py)
+
+
 @jit
 def swiglu_clamped_rows(g, u, clamp):
     """silu(min(g, clamp))·clamp(u, ±clamp), row-wise; the shared expert's middle."""
     out = np.empty_like(g)
     for t in range(g.shape[0]):
         for i in range(g.shape[1]):
-            gv = min(g[t, i], np.float32(clamp))
-            uv = min(max(u[t, i], np.float32(-clamp)), np.float32(clamp))
-            out[t, i] = gv * sigmoid(gv) * uv
+            out[t, i] = _swiglu(g[t, i], u[t, i], np.float32(clamp), np.float32(1.0))
     return out

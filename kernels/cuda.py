@@ -30,7 +30,7 @@ from numba import complex64, cuda, float32, int32, int64, uint8, uint32, uint64
 from numba.cuda import libdevice
 
 from . import formats as F
-from . import orders
+from . import numerics, orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
@@ -2168,11 +2168,7 @@ _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 6
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
 
 
-@_inline
-def _swiglu(g, u, clamp, w):
-    g = min(g, clamp)
-    u = max(min(u, clamp), -clamp)
-    return g / (float32(1.0) + math.exp(-g)) * u * w
+_swiglu = _inline(numerics.swiglu)     # the routed experts' SwiGLU, shared with the CPU twin
 
 
 def _gate_up_x_regs(wtype, K, NCH=None, const_steps=False):

@@ -30,6 +30,7 @@ from ds4py.kernels import compat  # noqa: F401  (numpy>=2.5 shim before the firs
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from numba.types import float16
 from numba.cuda import config as numba_config
+from ds4py.kernels import numerics
 from ds4py.kernels.disk_cache import cached_jit
 from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, ld_quad,
                                            mma_f16_acc, mul_rn, pack_f16x2, pdl_enter, split_f16x2)
@@ -156,6 +157,9 @@ def block_max_f32(value, scratch):
 def rms_scale(sumsq, n, eps):
     """ds4's RMSNorm scale: Σx² accumulated in double, then 1/sqrtf((float)(ss/n) + eps)."""
     return float32(1.0) / math.sqrt(float32(sumsq / n) + float32(eps))
+
+
+swiglu = cuda.jit(device=True)(numerics.swiglu)    # shared with the CPU twins (kernels/numerics.py)
 
 
 @cuda.jit(device=True)
@@ -2526,9 +2530,7 @@ def swiglu_q8(gate, up, clamp, mid, xq, xd):
     t = cuda.blockIdx.y
     n = gate.shape[1]
     for i in range(tid, n, cuda.blockDim.x):
-        g = min(gate[t, i], float32(clamp))
-        u = min(max(up[t, i], float32(-clamp)), float32(clamp))
-        mid[t, i] = g * sigmoid(g) * u
+        mid[t, i] = swiglu(gate[t, i], up[t, i], float32(clamp), float32(1.0))
     cuda.syncthreads()
     quantize_q8_0_block_values(mid[t], xq[t], xd[t])
 

@@ -216,8 +216,9 @@ def twins_checks():
     """The decode matvecs against the CPU twins: split-K 1, 2 and 4 warps per row (Q8_0: rows
     3 x K 256, 5 x 1280, 4 x 4096; F16: 3 x 64 (one step), 3 x 256, 5 x 330 (a partial step)),
     a Q8_0 pair launch (its rows set the split), the pairs kernel on scales-last rows, IQ2_XXS
-    rows of 1, 5 and 16 super-blocks, Q2_K rows of 1, 3 and 8, and the routed down projection of
-    3 slots (K 256 and 2048)."""
+    rows of 1, 5 and 16 super-blocks, Q2_K rows of 1, 3 and 8, Q4_K rows of 1 and 5, the routed
+    gate/up with its SwiGLU (K 256 and 4608), and the routed down projection of 3 slots (K 256 and
+    2048)."""
     _exact_fma()
     rng = np.random.default_rng(11)
     bad = 0
@@ -259,7 +260,8 @@ def twins_checks():
         K.matvec_f16(arena, off, rows, Kd, cuda.to_device(x), out)
         bad += not _same(f"F16 {rows} x {Kd} (split-K {K.orders.f16_split(rows, Kd)})", out.copy_to_host(),
                          cpu.matvec(w, F.F16, x))
-    for wtype, shapes in ((F.IQ2_XXS, ((3, 256), (2, 1280), (2, 4096))), (F.Q2_K, ((3, 256), (2, 768), (2, 2048)))):
+    for wtype, shapes in ((F.IQ2_XXS, ((3, 256), (2, 1280), (2, 4096))), (F.Q2_K, ((3, 256), (2, 768), (2, 2048))),
+                          (F.Q4_K, ((2, 256), (2, 1280)))):
         for rows, Kd in shapes:
             w = TD.random_weights(wtype, (rows, Kd), rng)
             x = rng.standard_normal(Kd).astype(np.float32)
@@ -268,9 +270,28 @@ def twins_checks():
             out = cuda.device_array(rows, np.float32)
             if wtype == F.IQ2_XXS:
                 K.matvec_iq2_xxs(arena, off, rows, Kd, xq, xd, out)
-            else:
+            elif wtype == F.Q2_K:
                 K.matvec_q2_k(arena, off, rows, Kd, xq, xd, xbs, out)
+            else:
+                K.matvec_q4_k(arena, off, rows, Kd, xq, xd, xbs, out)
             bad += not _same(f"{F.TYPE_NAMES[wtype]} {rows} x {Kd}", out.copy_to_host(), cpu.matvec(w, wtype, x))
+    # the routed gate/up with its SwiGLU and route weight (kernels/numerics.py on both sides): the
+    # halves kernel (K <= 4096) and moe_gate_up_decode (K 4608)
+    for n_embd in (256, 4608):
+        gate = TD.random_weights(F.IQ2_XXS, (2, 3, n_embd), rng)
+        up = TD.random_weights(F.IQ2_XXS, (2, 3, n_embd), rng)
+        arena, (og, ou) = _arena([gate, up])
+        stride = gate.shape[1] * gate.shape[2]
+        so = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(2)], np.int64))
+        x = (4 * rng.standard_normal(n_embd)).astype(np.float32)
+        xq, xd, xbs = _q8k(x)
+        rw = rng.uniform(0.05, 0.6, 2).astype(np.float32)
+        mid = cuda.device_array((2, 3), np.float32)
+        K.moe_gate_up(arena, so, F.IQ2_XXS, n_embd, 3, xq, xd, cuda.to_device(rw), 10.0, mid, bsums=xbs)
+        want = np.array([[cpu._swiglu(g, u, np.float32(10.0), rw[k])
+                          for g, u in zip(cpu.matvec(gate[k], F.IQ2_XXS, x), cpu.matvec(up[k], F.IQ2_XXS, x))]
+                         for k in range(2)], np.float32)
+        bad += not _same(f"routed gate/up + SwiGLU, 2 slots, K {n_embd}", mid.copy_to_host(), want)
     # the routed down projection (the shipped decode kernel, moe_down_sb): slots added in order
     for n_ff, n_embd in ((256, 6), (2048, 9)):
         w = TD.random_weights(F.Q2_K, (3, n_embd, n_ff), rng)

@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda
 
 from ds4py import reference as ref
+from ds4py.kernels import cpu_ops
 from ds4py.kernels import cuda_ops as ops
 from ds4py.kernels.cuda_intrinsics import SIMULATOR
 
@@ -459,6 +460,10 @@ def check_glue():
         gu = cuda.to_device(np.concatenate([gate, up], axis=1))
         ops.swiglu_q8[(1, n_tok), BLOCK](gu[:, :n], gu[:, n:], 2.5, out, tq, td)
         o, q, d = out.copy_to_host(), tq.copy_to_host(), td.copy_to_host()
+        same = np.array_equal(o.view(np.uint32), cpu_ops.swiglu_clamped_rows(gate, up, 2.5).view(np.uint32))
+        print(f"{'ok ' if same else 'BAD'} swiglu_q8 mid [T={n_tok}] = the CPU twin, bit for bit (kernels/numerics.py)")
+        if not same:
+            raise SystemExit(1)
         for t in range(n_tok):
             g = np.minimum(gate[t].astype(np.float64), 2.5)
             want = ref.silu(g) * np.clip(up[t], -2.5, 2.5)
