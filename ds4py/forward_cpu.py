@@ -24,7 +24,7 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 from ds4py.io.sources import HostSource
-from ds4py.kernels import cpu
+from ds4py.kernels import cpu, numerics
 from ds4py.kernels import cpu_ops as ops
 
 DEFAULT_PREFILL_CHUNK = 256     # tokens per layer-major pass (bounds activation memory)
@@ -34,34 +34,22 @@ DEFAULT_PREFILL_CHUNK = 256     # tokens per layer-major pass (bounds activation
 
 @dataclass(frozen=True)
 class RopeParams:
-    n_rot: int
-    base: float
-    yarn_factor: float
-    ramp: np.ndarray            # float64 [n_rot/2]; empty for dense (ratio-0) layers
+    freqs: np.ndarray           # float64 [n_rot/2]: the angle per position of each pair (numerics)
 
     def rotate(self, x: np.ndarray, pos0: int, inverse: bool = False) -> None:
         """x [n, rows, dim]: token t at position pos0 + t; tail n_rot dims, in place."""
-        ops.rope_tokens_inplace(x, pos0, self.n_rot, self.base, self.yarn_factor, self.ramp, inverse)
+        ops.rope_tokens_inplace(x, pos0, self.freqs, inverse)
 
     def rotate_row(self, x: np.ndarray, pos: int) -> None:
         """x [rows, dim] at one position, in place."""
-        ops.rope_tail_inplace(x, pos, self.n_rot, self.base, self.yarn_factor, self.ramp, False)
+        ops.rope_tail_inplace(x, pos, self.freqs, False)
 
 
 def rope_params(spec, il: int) -> RopeParams:
     """Dense layers: base rope_freq_base, no scaling. Compressed layers: the compressed base with
-    YaRN (factor, beta_fast/slow, original context), no magnitude correction."""
-    if spec.ratio(il) == 0:
-        return RopeParams(spec.n_rot, spec.rope_freq_base, 1.0, np.zeros(0))
-    n, base = spec.n_rot, spec.compress_rope_freq_base
-
-    def corr(beta: float) -> float:
-        return n * math.log(spec.rope_orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-    low = max(0, math.floor(corr(spec.yarn_beta_fast)))
-    high = min(n - 1, math.ceil(corr(spec.yarn_beta_slow)))
-    k = np.arange(n // 2, dtype=np.float64)
-    ramp = 1.0 - np.clip((k - low) / max(0.001, high - low), 0.0, 1.0)
-    return RopeParams(n, base, spec.rope_scale_factor, ramp)
+    YaRN (factor, beta_fast/slow, original context), no magnitude correction. The GPU engine's
+    table (kernels/numerics.py)."""
+    return RopeParams(numerics.rope_frequencies(spec, spec.ratio(il) != 0))
 
 
 # ---- weights -----------------------------------------------------------------------------------------

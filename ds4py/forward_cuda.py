@@ -24,7 +24,7 @@ from ds4py.errors import Ds4Error
 from ds4py.options import DEFAULT_PREFILL_CHUNK
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
-from ds4py.kernels import cuda_ops as ops
+from ds4py.kernels import cuda_ops as ops, numerics
 from ds4py.kernels.launch import view as memo_view
 from ds4py.kernels.graph import CapturedGraph
 from numba import cuda
@@ -36,24 +36,6 @@ else:
     from ds4py.kernels import cuda as qk
 
 BLOCK = ops.BLOCK
-
-
-def rope_freqs(spec, compressed: bool) -> np.ndarray:
-    """Per pair k the angle per position (θ = pos·freq[k]); YaRN blend on compressed layers
-    (ds4-model.md §6.7), computed in float64 and stored as f32."""
-    half = spec.n_rot // 2
-    k = np.arange(half, dtype=np.float64)
-    if not compressed:
-        return (spec.rope_freq_base ** (-2.0 * k / spec.n_rot)).astype(np.float32)
-    base = spec.compress_rope_freq_base
-    freq = base ** (-2.0 * k / spec.n_rot)
-
-    def corr(beta):
-        return spec.n_rot * math.log(spec.rope_orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-    low = max(0, math.floor(corr(spec.yarn_beta_fast)))
-    high = min(spec.n_rot - 1, math.ceil(corr(spec.yarn_beta_slow)))
-    ramp = 1.0 - np.clip((k - low) / max(0.001, high - low), 0.0, 1.0)
-    return (freq / spec.rope_scale_factor * (1 - ramp) + freq * ramp).astype(np.float32)
 
 
 class LayerState:
@@ -240,8 +222,8 @@ class CudaEngine:
         self.w16 = self.arena.view(np.float16)
         self.w32 = self.arena.view(np.float32)
         self.i32 = self.arena.view(np.int32)
-        self.freqs_dense = cuda.to_device(rope_freqs(s, False))
-        self.freqs_comp = cuda.to_device(rope_freqs(s, True))
+        self.freqs_dense = cuda.to_device(numerics.rope_frequencies(s, False))     # float64
+        self.freqs_comp = cuda.to_device(numerics.rope_frequencies(s, True))
         self.prefill_chunk = max(1, int(prefill_chunk))
         # the raw ring holds the window plus a whole chunk: a chunk's KV rows are all written before
         # its attention runs, and none may overwrite a row an earlier token of the chunk still reads

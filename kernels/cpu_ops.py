@@ -171,41 +171,26 @@ def rms_norm_heads_inplace(x, eps):
 
 # ---- RoPE (§6.7) -----------------------------------------------------------------------------------
 
-@jit
-def rope_cos_sin(pos, n_rot, base, yarn_factor, ramp):
-    """cos/sin of every pair's angle at pos, computed in double and stored as f32. With a YaRN
-    ramp (compressed layers) θ = θ/factor·(1−ramp) + θ·ramp; `ramp` is empty for dense layers."""
-    half = n_rot // 2
-    c = np.empty(half, dtype=np.float32)
-    s = np.empty(half, dtype=np.float32)
-    for k in range(half):
-        theta = pos * base ** (-2.0 * k / n_rot)
-        if ramp.size:
-            theta = theta / yarn_factor * (1.0 - ramp[k]) + theta * ramp[k]
-        c[k] = math.cos(theta)
-        s[k] = math.sin(theta)
-    return c, s
+_rotate_pair = jit(numerics.rotate_pair)     # the CUDA kernels' rotation (kernels/numerics.py)
 
 
 @jit
-def rope_tail_inplace(x, pos, n_rot, base, yarn_factor, ramp, inverse):
-    """Rotate the interleaved pairs of the last n_rot dims of every row of x [rows, dim]."""
-    c, s = rope_cos_sin(pos, n_rot, base, yarn_factor, ramp)
-    if inverse:
-        s = -s
-    off = x.shape[1] - n_rot
-    for r in range(x.shape[0]):
-        for k in range(n_rot // 2):
-            x0, x1 = x[r, off + 2 * k], x[r, off + 2 * k + 1]
-            x[r, off + 2 * k] = x0 * c[k] - x1 * s[k]
-            x[r, off + 2 * k + 1] = x0 * s[k] + x1 * c[k]
+def rope_tail_inplace(x, pos, freqs, inverse):
+    """Rotate the interleaved pairs of the last 2·len(freqs) dims of every row of x [rows, dim] by
+    θ = pos·freqs[k] (f64: numerics.rope_frequencies), −θ when inverse."""
+    off = x.shape[1] - 2 * freqs.size
+    for k in range(freqs.size):
+        theta = np.float64(pos) * freqs[k]
+        for r in range(x.shape[0]):
+            x[r, off + 2 * k], x[r, off + 2 * k + 1] = _rotate_pair(x[r, off + 2 * k], x[r, off + 2 * k + 1],
+                                                                   theta, inverse)
 
 
 @jit
-def rope_tokens_inplace(x, pos0, n_rot, base, yarn_factor, ramp, inverse):
+def rope_tokens_inplace(x, pos0, freqs, inverse):
     """x [n, rows, dim]: token t sits at position pos0 + t."""
     for t in range(x.shape[0]):
-        rope_tail_inplace(x[t], pos0 + t, n_rot, base, yarn_factor, ramp, inverse)
+        rope_tail_inplace(x[t], pos0 + t, freqs, inverse)
 
 
 # ---- hyper-connections (§6.2, §6.3, §6.12) ---------------------------------------------------------

@@ -8,10 +8,11 @@ addresses) from device buffers, so a decode step can be captured into a CUDA gra
 
 Numerics (ds4-model.md §5.1): activations are quantized exactly like the CPU twins (bit-identical
 quantizers), every block dot product is an exact integer (dp4a), and the blocks of a row are summed
-in f32. Only the order of that f32 sum differs from the CPU twin (lanes accumulate strided blocks,
-then a fixed butterfly), so results agree to f32 rounding. The order is a pure function of
-(type, K, rows): the prefill matmuls run the same per-output arithmetic as the matvecs and return
-bit-identical rows, and the batched MoE returns bit-identical tokens to the decode MoE.
+in f32: lanes accumulate strided blocks with fma, then a fixed butterfly, then the split-K warps in
+order. The order is a pure function of (type, K, launch rows) (kernels/orders.py): the prefill
+matmuls run the same per-output arithmetic as the matvecs and return bit-identical rows, the
+batched MoE returns bit-identical tokens to the decode MoE, and the CPU twins (kernels/cpu.py)
+follow the same order, so they give the same bits too.
 
 Layout facts the kernels rely on (checked by the launch functions):
   * Q8_0 and IQ2_XXS blocks (34 B, 66 B) are only 2-byte aligned: they are read as uint16 and

@@ -159,7 +159,9 @@ def rms_scale(sumsq, n, eps):
     return float32(1.0) / math.sqrt(float32(sumsq / n) + float32(eps))
 
 
-swiglu = cuda.jit(device=True)(numerics.swiglu)    # shared with the CPU twins (kernels/numerics.py)
+# shared with the CPU twins (kernels/numerics.py)
+swiglu = cuda.jit(device=True)(numerics.swiglu)
+rotate_pair = cuda.jit(device=True)(numerics.rotate_pair)
 
 
 @cuda.jit(device=True)
@@ -903,19 +905,12 @@ def rmsnorm_q8(x, w32, norm_off, eps, x_out, xq, xd):
 
 @cuda.jit(device=True)
 def rope_tail(vec, base, n_nope, n_rot, pos, freqs, inverse):
-    """Rotate the interleaved tail pairs of vec[base : base+n_nope+n_rot] by pos·freqs[k] (§6.7).
+    """Rotate the interleaved tail pairs of vec[base : base+n_nope+n_rot] by pos·freqs[k] (§6.7;
+    freqs float64, the angle and the rotation in f64: kernels/numerics.py, as the CPU twin).
     Called by all threads of a block; each thread takes pairs k = tid, tid+blockDim, ..."""
     for k in range(cuda.threadIdx.x, n_rot // 2, cuda.blockDim.x):
-        theta = float32(pos) * freqs[k]
-        c = math.cos(theta)
-        s = math.sin(theta)
-        if inverse:
-            s = -s
         i = base + n_nope + 2 * k
-        x0 = vec[i]
-        x1 = vec[i + 1]
-        vec[i] = x0 * c - x1 * s
-        vec[i + 1] = x0 * s + x1 * c
+        vec[i], vec[i + 1] = rotate_pair(vec[i], vec[i + 1], float64(pos) * freqs[k], inverse)
 
 
 @cuda.jit(device=True)
@@ -2278,14 +2273,6 @@ def _attention_prefill_mma_kernel(PREFETCH):
 attention_prefill_mma = _attention_prefill_mma_kernel(True)
 attention_prefill_mma_no_prefetch = _attention_prefill_mma_kernel(False)   # for scripts/bench_attention.py
 
-@cuda.jit(device=True)
-def rotate_pair(x0, x1, theta, inverse):
-    """One RoPE pair rotation, the arithmetic of rope_tail (§6.7)."""
-    c = math.cos(theta)
-    s = math.sin(theta)
-    if inverse:
-        s = -s
-    return x0 * c - x1 * s, x0 * s + x1 * c
 
 
 @cuda.jit(device=True)
@@ -2298,7 +2285,7 @@ def finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, fre
     if inside:
         n_nope = head_dim - n_rot
         if d >= n_nope:
-            x0, x1 = rotate_pair(x0, x1, float32(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
+            x0, x1 = rotate_pair(x0, x1, float64(pos_buf[t]) * freqs[(d - n_nope) // 2], True)
         g = head // heads_per_group
         at = ((g * n_tok + t) * heads_per_group + head - g * heads_per_group) * head_dim + d
         out[at] = x0

@@ -24,3 +24,30 @@ def swiglu(g, u, clamp, w):
     gc = float64(min(g, clamp))
     uc = float64(max(min(u, clamp), -clamp))
     return float32(gc / (1.0 + math.exp(-gc)) * uc * float64(w))
+
+
+def rope_frequencies(spec, compressed: bool):
+    """RoPE's angle per position of each pair k, float64 (θ = pos·freq[k], ds4-model.md §6.7):
+    base^(−2k/n_rot); on compressed layers the compressed base with YaRN's blend
+    freq/factor·(1 − ramp) + freq·ramp. One table for both engines (host numpy)."""
+    import numpy as np
+    k = np.arange(spec.n_rot // 2, dtype=np.float64)
+    if not compressed:
+        return spec.rope_freq_base ** (-2.0 * k / spec.n_rot)
+    base = spec.compress_rope_freq_base
+    freq = base ** (-2.0 * k / spec.n_rot)
+
+    def corr(beta):
+        return spec.n_rot * math.log(spec.rope_orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0, math.floor(corr(spec.yarn_beta_fast)))
+    high = min(spec.n_rot - 1, math.ceil(corr(spec.yarn_beta_slow)))
+    ramp = 1.0 - np.clip((k - low) / max(0.001, high - low), 0.0, 1.0)
+    return freq / spec.rope_scale_factor * (1 - ramp) + freq * ramp
+
+
+def rotate_pair(x0, x1, theta, inverse):
+    """One RoPE pair (x0, x1) rotated by the f64 angle θ (−θ: inverse), f32 values in and out."""
+    c = math.cos(theta)
+    s = -math.sin(theta) if inverse else math.sin(theta)
+    a, b = float64(x0), float64(x1)
+    return float32(a * c - b * s), float32(a * s + b * c)

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from ds4py.kernels import cuda as qk, cuda_ops as ops
 from numba import cuda, types
-f32a = types.float32[::1]; f32a2 = types.float32[:, ::1]; i32a = types.int32[::1]; i8a = types.int8[::1]
+f32a = types.float32[::1]; f64a = types.float64[::1]; f32a2 = types.float32[:, ::1]; i32a = types.int32[::1]; i8a = types.int8[::1]
 f16a = types.float16[::1]; u32a = types.uint32[::1]; i64a2 = types.int64[:, ::1]; i64a = types.int64[::1]
 i64 = types.int64; f64 = types.float64; b1 = types.boolean
 # token dimension: per-token activations [T, n]; views of pair outputs (a column range of a
@@ -34,21 +34,21 @@ sigs = {
  "hc_post": (f32a3, f32a2, f32a2, f32a2, f32a2),
  "hc_head": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
  "rmsnorm_q8": (f32A2, f32a, i64, f64, f32a2, i8a2, f32a2),
- "kv_finish": (f32A2, f32a, i64, f64, i32a, f32a, i64, f32a2),
- "q_heads": (f32a2, i64, i64, f64, i32a, f32a),
- "compressor_step": (f32A2, f32A2, f16a, i64, f32a, i64, f64, i32a, i64, i64, i64, f32a, b1, f32a2, f32a2, f32a2),
+ "kv_finish": (f32A2, f32a, i64, f64, i32a, f64a, i64, f32a2),
+ "q_heads": (f32a2, i64, i64, f64, i32a, f64a),
+ "compressor_step": (f32A2, f32A2, f16a, i64, f32a, i64, f64, i32a, i64, i64, i64, f64a, b1, f32a2, f32a2, f32a2),
  "compressor_chunk_stage": (f32A2, f32A2, f16a, i64, i64, i64, f32a2, f32a2, f32a2, f32a2),
- "compressor_chunk_rows": (f32a2, f32a2, i64, i64, i64, i64, f32a, i64, f64, i64, f32a, b1, f32a2),
+ "compressor_chunk_rows": (f32a2, f32a2, i64, i64, i64, i64, f32a, i64, f64, i64, f64a, b1, f32a2),
  "compressor_chunk_carry": (f32a2, f32a2, i64, i64, i64, f32a2, f32a2),
- "indexer_q": (f32a2, i64, i64, i32a, f32a),
+ "indexer_q": (f32a2, i64, i64, i32a, f64a),
  "indexer_scores": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
  "indexer_scores_rows": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, i64, f32a2),
  "indexer_select": (u32a2, i32a, i64, i32a2, i32a),
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
  "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
  "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
- "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
- "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f32a, i64, f32a, i8a, f32a),
+ "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
+ "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
  "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),
  "swiglu_q8": (f32A2, f32A2, f64, f32a2, i8a2, f32a2),
  "groups_to_tokens": (f32a, i64, i64, f32a),

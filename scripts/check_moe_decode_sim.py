@@ -268,12 +268,7 @@ def twins_checks():
             xq, xd, xbs = _q8k(x)
             arena, (off,) = _arena([w])
             out = cuda.device_array(rows, np.float32)
-            if wtype == F.IQ2_XXS:
-                K.matvec_iq2_xxs(arena, off, rows, Kd, xq, xd, out)
-            elif wtype == F.Q2_K:
-                K.matvec_q2_k(arena, off, rows, Kd, xq, xd, xbs, out)
-            else:
-                K.matvec_q4_k(arena, off, rows, Kd, xq, xd, xbs, out)
+            K._matmul_q8k(wtype, arena, off, rows, Kd, 1, xq, xd, None if wtype == F.IQ2_XXS else xbs, out)
             bad += not _same(f"{F.TYPE_NAMES[wtype]} {rows} x {Kd}", out.copy_to_host(), cpu.matvec(w, wtype, x))
     # the routed gate/up with its SwiGLU and route weight (kernels/numerics.py on both sides): the
     # halves kernel (K <= 4096) and moe_gate_up_decode (K 4608)

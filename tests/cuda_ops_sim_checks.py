@@ -131,7 +131,7 @@ def check_qat_and_rope(n_tok):
     kv = rng.normal(0, 1, (n_tok, head_dim)).astype(np.float32) * np.float32(3.0)
     norm = (1 + rng.uniform(-0.1, 0.1, head_dim)).astype(np.float32)
     pos = np.array([37 + 3 * t for t in range(n_tok)], np.int32)
-    freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
+    freqs = 10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)      # float64, as the engine passes them
     raw = cuda.device_array((8, head_dim), np.float32)
     # kv as the engine passes it: a column range of a wider [T, q_lora + head_dim] buffer
     wide = np.zeros((n_tok, 32 + head_dim), np.float32)
@@ -161,6 +161,14 @@ def check_qat_and_rope(n_tok):
     d_q = cuda.to_device(q.copy())
     ops.q_heads[(n_head, n_tok), BLOCK](d_q, head_dim, n_rot, 1e-6, cuda.to_device(pos), cuda.to_device(freqs))
     got = d_q.copy_to_host()
+    twin = q.reshape(n_tok, n_head, head_dim).copy()        # the CPU engine's steps for q
+    cpu_ops.rms_norm_heads_inplace(twin, 1e-6)
+    for t in range(n_tok):
+        cpu_ops.rope_tokens_inplace(twin[t:t + 1], int(pos[t]), freqs, False)
+    same = np.array_equal(got.view(np.uint32), twin.reshape(n_tok, -1).view(np.uint32))
+    print(f"{'ok ' if same else 'BAD'} q_heads [T={n_tok}] = the CPU twin (RMS norm, f64 RoPE), bit for bit")
+    if not same:
+        raise SystemExit(1)
     for t in range(n_tok):
         want = np.concatenate([rope.apply((h / np.sqrt(np.mean(h ** 2) + 1e-6))[None, :], int(pos[t]))[0]
                                for h in q[t].reshape(n_head, head_dim).astype(np.float64)])
@@ -180,7 +188,7 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
     comp = rng.normal(0, 1, (max(n_comp_rows, 1), head_dim)).astype(np.float16).astype(np.float32)
     q = rng.normal(0, 1, (n_tok, n_head * head_dim)).astype(np.float32)
     sinks = rng.normal(0, 0.5, n_head).astype(np.float32)
-    freqs = (10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
+    freqs = 10000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)      # float64, as the engine passes them
     out = cuda.device_array(n_tok * n_head * head_dim, np.float32)
     out_q = cuda.device_array(n_tok * n_head * head_dim, np.int8)
     out_d = cuda.device_array(n_tok * n_head * head_dim // 32, np.float32)
@@ -370,7 +378,7 @@ def check_compressor():
     kernel loops over them in order); both against the reference's rows."""
     n_rot = 64
     freqs_np = ref.Rope(n_rot, 160000.0, False)
-    freqs = (160000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
+    freqs = 160000.0 ** (-2.0 * np.arange(n_rot // 2) / n_rot)     # float64
     for ratio, dim, lane, chunk in ((4, 128, "attn", 1), (4, 64, "index", 1), (8, 128, "attn", 1),
                                     (4, 128, "attn", 5), (4, 64, "index", 3), (8, 128, "attn", 7),
                                     (8, 128, "attn", 3), (4, 64, "index", 9)):
