@@ -268,7 +268,7 @@ def twins_checks():
             xq, xd, xbs = _q8k(x)
             arena, (off,) = _arena([w])
             out = cuda.device_array(rows, np.float32)
-            K._matmul_q8k(wtype, arena, off, rows, Kd, 1, xq, xd, None if wtype == F.IQ2_XXS else xbs, out)
+            K._matmul_q8k(wtype, arena, off, rows, Kd, 1, xq, xd, None if wtype == F.IQ2_XXS else xbs, out, 0)
             bad += not _same(f"{F.TYPE_NAMES[wtype]} {rows} x {Kd}", out.copy_to_host(), cpu.matvec(w, wtype, x))
     # the routed gate/up with its SwiGLU and route weight (kernels/numerics.py on both sides): the
     # halves kernel (K <= 4096) and moe_gate_up_decode (K 4608)
