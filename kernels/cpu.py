@@ -143,117 +143,115 @@ def _u32(row, pos):
 
 
 @njit(inline="always")
-def _q8_0_group(row, xq, xd, lut, g, w, S, U, nchunks):
-    """Lane group g's sum in warp w of a Q8_0 row: fma(d_w·d_x, isum, acc) over its blocks
-    8·step + g, its chunks (w, w + S, ...) of U steps in order."""
-    nb = xq.shape[0] // 32
-    acc = np.float32(0.0)
-    for c in range(w, nchunks, S):
-        for u in range(U):
-            b = (c * U + u) * 8 + g
-            if b < nb:
-                base = 34 * b
-                isum = 0
-                for i in range(32):
-                    isum += np.int32(np.int8(row[base + 2 + i])) * np.int32(xq[32 * b + i])
-                acc = _fma32(_f16(row, base, lut) * xd[b], np.float32(isum), acc)
-    return acc
+def _q8_0_block(row, xq, xd, lut, b):
+    """Block b's (d_w·d_x, isum) of a Q8_0 row."""
+    base = 34 * b
+    isum = 0
+    for i in range(32):
+        isum += np.int32(np.int8(row[base + 2 + i])) * np.int32(xq[32 * b + i])
+    return _f16(row, base, lut) * xd[b], np.float32(isum)
 
 
 @njit(inline="always")
 def _dot_q8_0(row, xq, xd, lut, S, U, nchunks):
-    """The 8 group sums meet in the butterfly g ^ 4, g ^ 2, g ^ 1; S warps add in order."""
+    """Lane group g (of 8) of warp w: fma(d_w·d_x, isum, acc) over blocks 8·step + g of the warp's
+    chunks (w, w + S, ...; U steps each), in order; the groups meet in the butterfly g ^ 4, g ^ 2,
+    g ^ 1; the S warps add in order. One pass over the blocks, each into its group's sum."""
+    nb = xq.shape[0] // 32
     total = np.float32(0.0)
     for w in range(S):
-        a0 = _q8_0_group(row, xq, xd, lut, 0, w, S, U, nchunks)
-        a1 = _q8_0_group(row, xq, xd, lut, 1, w, S, U, nchunks)
-        a2 = _q8_0_group(row, xq, xd, lut, 2, w, S, U, nchunks)
-        a3 = _q8_0_group(row, xq, xd, lut, 3, w, S, U, nchunks)
-        a4 = _q8_0_group(row, xq, xd, lut, 4, w, S, U, nchunks)
-        a5 = _q8_0_group(row, xq, xd, lut, 5, w, S, U, nchunks)
-        a6 = _q8_0_group(row, xq, xd, lut, 6, w, S, U, nchunks)
-        a7 = _q8_0_group(row, xq, xd, lut, 7, w, S, U, nchunks)
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+        for c in range(w, nchunks, S):
+            for b in range(c * U * 8, min((c + 1) * U * 8, nb)):
+                dd, isum = _q8_0_block(row, xq, xd, lut, b)
+                g = b & 7
+                if g == 0:
+                    a0 = _fma32(dd, isum, a0)
+                elif g == 1:
+                    a1 = _fma32(dd, isum, a1)
+                elif g == 2:
+                    a2 = _fma32(dd, isum, a2)
+                elif g == 3:
+                    a3 = _fma32(dd, isum, a3)
+                elif g == 4:
+                    a4 = _fma32(dd, isum, a4)
+                elif g == 5:
+                    a5 = _fma32(dd, isum, a5)
+                elif g == 6:
+                    a6 = _fma32(dd, isum, a6)
+                else:
+                    a7 = _fma32(dd, isum, a7)
         part = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
         total = part if w == 0 else total + part
     return total
 
 
 @njit(inline="always")
-def _sum_groups_of_4(a0, a1, a2, a3):
-    """The K-quant kernels' butterfly over the 4 super-block groups: q ^ 2, then q ^ 1."""
-    return (a0 + a2) + (a1 + a3)
-
-
-@njit(inline="always")
-def _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, q):
-    """Group q's sum: fma(d_w·d_x, isum, acc) over super-blocks q, q + 4, ..."""
-    acc = np.float32(0.0)
-    for sb in range(q, xq.shape[0] // 256, 4):
-        base = 66 * sb
-        dd = _f16(row, base, lut) * xd[sb]
-        bsum = 0
-        for ib in range(8):
-            o = base + 2 + 8 * ib
-            aux = _u32(row, o + 4)
-            ls = 2 * (aux >> 28) + 1
-            xo = 256 * sb + 32 * ib
-            sumi = 0
-            for l in range(4):
-                g = np.int64(row[o + l])
-                signs = np.int64(ksigns[(aux >> (7 * l)) & 127])
-                for j in range(8):
-                    v = np.int32(grid[g, j]) * np.int32(xq[xo + 8 * l + j])
-                    if (signs >> j) & 1:
-                        sumi -= v
-                    else:
-                        sumi += v
-            bsum += sumi * ls
-        acc = _fma32(dd, np.float32(bsum), acc)
-    return acc
+def _iq2_xxs_block(row, xq, xd, lut, grid, ksigns, sb):
+    """Super-block sb's (d_w·d_x, isum) of an IQ2_XXS row."""
+    base = 66 * sb
+    bsum = 0
+    for ib in range(8):
+        o = base + 2 + 8 * ib
+        aux = _u32(row, o + 4)
+        ls = 2 * (aux >> 28) + 1
+        xo = 256 * sb + 32 * ib
+        sumi = 0
+        for l in range(4):
+            g = np.int64(row[o + l])
+            signs = np.int64(ksigns[(aux >> (7 * l)) & 127])
+            for j in range(8):
+                v = np.int32(grid[g, j]) * np.int32(xq[xo + 8 * l + j])
+                if (signs >> j) & 1:
+                    sumi -= v
+                else:
+                    sumi += v
+        bsum += sumi * ls
+    return _f16(row, base, lut) * xd[sb], np.float32(bsum)
 
 
 @njit(inline="always")
 def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
-    return np.float32(0.125) * _sum_groups_of_4(_iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 0),
-                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 1),
-                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 2),
-                                                _iq2_xxs_group(row, xq, xd, lut, grid, ksigns, 3))
+    """Group q (of 4): fma(d_w·d_x, isum, acc) over super-blocks q, q + 4, ...; the butterfly
+    q ^ 2, q ^ 1; then 1/8."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for sb in range(xq.shape[0] // 256):
+        dd, bsum = _iq2_xxs_block(row, xq, xd, lut, grid, ksigns, sb)
+        q = sb & 3
+        if q == 0:
+            a0 = _fma32(dd, bsum, a0)
+        elif q == 1:
+            a1 = _fma32(dd, bsum, a1)
+        elif q == 2:
+            a2 = _fma32(dd, bsum, a2)
+        else:
+            a3 = _fma32(dd, bsum, a3)
+    return np.float32(0.125) * ((a0 + a2) + (a1 + a3))
 
 
 @njit(inline="always")
-def _q2_k_group(row, xq, xd, xbs, lut, q):
-    """Group q's sum of the terms fma(d_x·d, isum, −(d_x·dmin)·summs) of super-blocks q, q + 4, ..."""
-    acc = np.float32(0.0)
-    for sb in range(q, xq.shape[0] // 256, 4):
-        base = 84 * sb
-        d = _f16(row, base + 80, lut)
-        dmin = _f16(row, base + 82, lut)
-        summs = 0
-        for j in range(16):
-            summs += np.int32(xbs[16 * sb + j]) * np.int32(row[base + j] >> 4)
-        dall = xd[sb] * d
-        dmn = xd[sb] * dmin
-        isum = 0
-        sub = 0
-        for h in range(2):
-            for s in range(4):
-                for half in range(2):
-                    sc = np.int32(row[base + sub] & 15)
-                    sub += 1
-                    isuml = 0
-                    xo = 256 * sb + 128 * h + 32 * s + 16 * half
-                    qo = base + 16 + 32 * h + 16 * half
-                    for l in range(16):
-                        isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> (2 * s)) & 3)
-                    isum += sc * isuml
-        acc = acc + _fma32(dall, np.float32(isum), -(dmn * np.float32(summs)))
-    return acc
-
-
-@njit(inline="always")
-def _dot_q2_k(row, xq, xd, xbs, lut):
-    return _sum_groups_of_4(_q2_k_group(row, xq, xd, xbs, lut, 0), _q2_k_group(row, xq, xd, xbs, lut, 1),
-                            _q2_k_group(row, xq, xd, xbs, lut, 2), _q2_k_group(row, xq, xd, xbs, lut, 3))
+def _q2_k_term(row, xq, xd, xbs, lut, sb):
+    """Super-block sb's term of a Q2_K row: fma(d_x·d, isum, −(d_x·dmin)·summs)."""
+    base = 84 * sb
+    d = _f16(row, base + 80, lut)
+    dmin = _f16(row, base + 82, lut)
+    summs = 0
+    for j in range(16):
+        summs += np.int32(xbs[16 * sb + j]) * np.int32(row[base + j] >> 4)
+    isum = 0
+    sub = 0
+    for h in range(2):
+        for s in range(4):
+            for half in range(2):
+                sc = np.int32(row[base + sub] & 15)
+                sub += 1
+                isuml = 0
+                xo = 256 * sb + 128 * h + 32 * s + 16 * half
+                qo = base + 16 + 32 * h + 16 * half
+                for l in range(16):
+                    isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> (2 * s)) & 3)
+                isum += sc * isuml
+    return _fma32(xd[sb] * d, np.float32(isum), -((xd[sb] * dmin) * np.float32(summs)))
 
 
 @njit(inline="always")
@@ -270,33 +268,46 @@ def _q4_k_scale_min(row, base, j):
 
 
 @njit(inline="always")
-def _q4_k_group(row, xq, xd, xbs, lut, q):
-    """As _q2_k_group, for Q4_K super-blocks."""
-    acc = np.float32(0.0)
-    for sb in range(q, xq.shape[0] // 256, 4):
-        base = 144 * sb
-        d = _f16(row, base, lut)
-        dmin = _f16(row, base + 2, lut)
-        isum = 0
-        summs = 0
-        for j in range(8):
-            sc, m = _q4_k_scale_min(row, base, j)
-            summs += m * (np.int32(xbs[16 * sb + 2 * j]) + np.int32(xbs[16 * sb + 2 * j + 1]))
-            qo = base + 16 + 32 * (j // 2)
-            shift = 4 * (j % 2)
-            xo = 256 * sb + 32 * j
-            isuml = 0
-            for l in range(32):
-                isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> shift) & 15)
-            isum += sc * isuml
-        acc = acc + _fma32(xd[sb] * d, np.float32(isum), -((xd[sb] * dmin) * np.float32(summs)))
-    return acc
+def _q4_k_term(row, xq, xd, xbs, lut, sb):
+    """Super-block sb's term of a Q4_K row, as _q2_k_term."""
+    base = 144 * sb
+    d = _f16(row, base, lut)
+    dmin = _f16(row, base + 2, lut)
+    isum = 0
+    summs = 0
+    for j in range(8):
+        sc, m = _q4_k_scale_min(row, base, j)
+        summs += m * (np.int32(xbs[16 * sb + 2 * j]) + np.int32(xbs[16 * sb + 2 * j + 1]))
+        qo = base + 16 + 32 * (j // 2)
+        shift = 4 * (j % 2)
+        xo = 256 * sb + 32 * j
+        isuml = 0
+        for l in range(32):
+            isuml += np.int32(xq[xo + l]) * np.int32((row[qo + l] >> shift) & 15)
+        isum += sc * isuml
+    return _fma32(xd[sb] * d, np.float32(isum), -((xd[sb] * dmin) * np.float32(summs)))
 
 
 @njit(inline="always")
-def _dot_q4_k(row, xq, xd, xbs, lut):
-    return _sum_groups_of_4(_q4_k_group(row, xq, xd, xbs, lut, 0), _q4_k_group(row, xq, xd, xbs, lut, 1),
-                            _q4_k_group(row, xq, xd, xbs, lut, 2), _q4_k_group(row, xq, xd, xbs, lut, 3))
+def _dot_k_quant(wtype, row, xq, xd, xbs, lut):
+    """Q2_K / Q4_K: group q (of 4) adds the terms of super-blocks q, q + 4, ...; the butterfly
+    q ^ 2, q ^ 1."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for sb in range(xq.shape[0] // 256):
+        if wtype == _Q2_K:
+            term = _q2_k_term(row, xq, xd, xbs, lut, sb)
+        else:
+            term = _q4_k_term(row, xq, xd, xbs, lut, sb)
+        q = sb & 3
+        if q == 0:
+            a0 = a0 + term
+        elif q == 1:
+            a1 = a1 + term
+        elif q == 2:
+            a2 = a2 + term
+        else:
+            a3 = a3 + term
+    return (a0 + a2) + (a1 + a3)
 
 
 @njit(inline="always")
@@ -340,10 +351,8 @@ def _dot_row(wtype, row, xf, xq, xd, xbs, lut, grid, ksigns, S, U, nchunks):
         return _dot_q8_0(row, xq, xd, lut, S, U, nchunks)
     elif wtype == _IQ2_XXS:
         return _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns)
-    elif wtype == _Q2_K:
-        return _dot_q2_k(row, xq, xd, xbs, lut)
-    elif wtype == _Q4_K:
-        return _dot_q4_k(row, xq, xd, xbs, lut)
+    elif wtype == _Q2_K or wtype == _Q4_K:
+        return _dot_k_quant(wtype, row, xq, xd, xbs, lut)
     else:
         return _dot_f16(row, xf, lut, S)
 
