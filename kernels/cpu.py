@@ -143,6 +143,18 @@ def _u32(row, pos):
 
 
 @njit(inline="always")
+def _fma_into(q, a, b, s0, s1, s2, s3):
+    """The four sums with fma(a, b, s_q) in place of s_q: a lane group's accumulator."""
+    if q == 0:
+        return _fma32(a, b, s0), s1, s2, s3
+    if q == 1:
+        return s0, _fma32(a, b, s1), s2, s3
+    if q == 2:
+        return s0, s1, _fma32(a, b, s2), s3
+    return s0, s1, s2, _fma32(a, b, s3)
+
+
+@njit(inline="always")
 def _q8_0_block(row, xq, xd, lut, b):
     """Block b's (d_w·d_x, isum) of a Q8_0 row."""
     base = 34 * b
@@ -164,23 +176,10 @@ def _dot_q8_0(row, xq, xd, lut, S, U, nchunks):
         for c in range(w, nchunks, S):
             for b in range(c * U * 8, min((c + 1) * U * 8, nb)):
                 dd, isum = _q8_0_block(row, xq, xd, lut, b)
-                g = b & 7
-                if g == 0:
-                    a0 = _fma32(dd, isum, a0)
-                elif g == 1:
-                    a1 = _fma32(dd, isum, a1)
-                elif g == 2:
-                    a2 = _fma32(dd, isum, a2)
-                elif g == 3:
-                    a3 = _fma32(dd, isum, a3)
-                elif g == 4:
-                    a4 = _fma32(dd, isum, a4)
-                elif g == 5:
-                    a5 = _fma32(dd, isum, a5)
-                elif g == 6:
-                    a6 = _fma32(dd, isum, a6)
+                if b & 4:
+                    a4, a5, a6, a7 = _fma_into(b & 3, dd, isum, a4, a5, a6, a7)
                 else:
-                    a7 = _fma32(dd, isum, a7)
+                    a0, a1, a2, a3 = _fma_into(b & 3, dd, isum, a0, a1, a2, a3)
         part = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
         total = part if w == 0 else total + part
     return total
@@ -217,15 +216,7 @@ def _dot_iq2_xxs(row, xq, xd, lut, grid, ksigns):
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for sb in range(xq.shape[0] // 256):
         dd, bsum = _iq2_xxs_block(row, xq, xd, lut, grid, ksigns, sb)
-        q = sb & 3
-        if q == 0:
-            a0 = _fma32(dd, bsum, a0)
-        elif q == 1:
-            a1 = _fma32(dd, bsum, a1)
-        elif q == 2:
-            a2 = _fma32(dd, bsum, a2)
-        else:
-            a3 = _fma32(dd, bsum, a3)
+        a0, a1, a2, a3 = _fma_into(sb & 3, dd, bsum, a0, a1, a2, a3)
     return np.float32(0.125) * ((a0 + a2) + (a1 + a3))
 
 
@@ -298,15 +289,8 @@ def _dot_k_quant(wtype, row, xq, xd, xbs, lut):
             term = _q2_k_term(row, xq, xd, xbs, lut, sb)
         else:
             term = _q4_k_term(row, xq, xd, xbs, lut, sb)
-        q = sb & 3
-        if q == 0:
-            a0 = a0 + term
-        elif q == 1:
-            a1 = a1 + term
-        elif q == 2:
-            a2 = a2 + term
-        else:
-            a3 = a3 + term
+        # acc + term, exactly: fma(term, 1, acc) rounds the same sum once
+        a0, a1, a2, a3 = _fma_into(sb & 3, term, np.float32(1.0), a0, a1, a2, a3)
     return (a0 + a2) + (a1 + a3)
 
 
