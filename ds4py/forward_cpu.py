@@ -251,23 +251,20 @@ class CpuEngine:
         rows = np.asarray(emb[np.asarray(tokens)], dtype=np.float32)
         return np.ascontiguousarray(np.repeat(rows[:, None, :], self.spec.n_hc, axis=1))
 
-    def _hc_pre(self, prefix: str, X: np.ndarray):
-        """§6.2: (sublayer input y [n, n_embd], post [n, n_hc], comb [n, n_hc, n_hc])."""
+    def _hc_pre(self, prefix: str, X: np.ndarray, norm_name: str):
+        """§6.2: (the sublayer's normed input x [n, n_embd], post [n, n_hc], comb [n, n_hc, n_hc])."""
         s, w = self.spec, self.w
-        flat = ops.hc_flat_norm_rows(X, s.rms_eps)
-        mix = mm(w.mat(prefix + "_fn.weight"), flat)
-        pre, post, comb = ops.hc_split_sinkhorn_rows(mix, w.vec(prefix + "_scale.weight"),
-                                                     w.vec(prefix + "_base.weight"), s.n_hc,
-                                                     s.n_sinkhorn, np.float32(s.hc_eps))
-        return ops.hc_reduce_rows(pre, X), post, comb
+        mix = ops.hc_mix_rows(X, w.vec(prefix + "_fn.weight"), s.rms_eps)
+        pre, post, comb = ops.hc_gates_rows(mix, w.vec(prefix + "_scale.weight"), w.vec(prefix + "_base.weight"),
+                                            s.n_hc, s.n_sinkhorn, np.float32(s.hc_eps))
+        return ops.hc_collapse_norm_rows(pre, X, w.vec(norm_name), s.rms_eps), post, comb
 
     # -- attention (§6.4–6.10) ---------------------------------------------------------------------
 
     def _attention(self, il: int, X: np.ndarray, pos0: int) -> np.ndarray:
         s, w, p = self.spec, self.w, f"blk.{il}."
         n, ratio, rope, cache = X.shape[0], s.ratio(il), self.ropes[il], self.layers[il]
-        y, post, comb = self._hc_pre(p + "hc_attn", X)
-        x = ops.rms_norm_rows(y, w.vec(p + "attn_norm.weight"), s.rms_eps)
+        x, post, comb = self._hc_pre(p + "hc_attn", X, p + "attn_norm.weight")
         q_a_kv = pair_rows(w.mat(p + "attn_q_a.weight"), w.mat(p + "attn_kv.weight"))
         qrn = ops.rms_norm_rows(mm(w.mat(p + "attn_q_a.weight"), x, q_a_kv), w.vec(p + "attn_q_a_norm.weight"),
                                 s.rms_eps)
@@ -354,8 +351,7 @@ class CpuEngine:
 
     def _ffn(self, il: int, X: np.ndarray, tokens: list[int]) -> np.ndarray:
         s, w, p = self.spec, self.w, f"blk.{il}."
-        y, post, comb = self._hc_pre(p + "hc_ffn", X)
-        x = ops.rms_norm_rows(y, w.vec(p + "ffn_norm.weight"), s.rms_eps)
+        x, post, comb = self._hc_pre(p + "hc_ffn", X, p + "ffn_norm.weight")
         expert_ids, expert_w = self._route(il, x, tokens)
         clamp = float(s.swiglu_clamp[il])
         gate, up, down = (w.mat(p + name) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
@@ -386,9 +382,8 @@ class CpuEngine:
 
     def _output_head(self, X: np.ndarray) -> np.ndarray:
         s, w = self.spec, self.w
-        flat = ops.hc_flat_norm_rows(X, s.rms_eps)
-        pre = mm(w.mat("output_hc_fn.weight"), flat)
-        a = ops.hc_head_weights(pre, w.vec("output_hc_scale.weight")[0], w.vec("output_hc_base.weight"),
+        mix = ops.hc_mix_rows(X, w.vec("output_hc_fn.weight"), s.rms_eps)
+        a = ops.hc_head_weights(mix, w.vec("output_hc_scale.weight")[0], w.vec("output_hc_base.weight"),
                                 np.float32(s.hc_eps))
-        z = ops.rms_norm_rows(ops.hc_reduce_rows(a, X), w.vec("output_norm.weight"), s.rms_eps)
+        z = ops.hc_collapse_norm_rows(a, X, w.vec("output_norm.weight"), s.rms_eps)
         return mm(w.mat("output.weight"), z)

@@ -105,7 +105,7 @@ class Scratch:
         # [n_tok, ...] buffers
         self.tok = dict(
             state=d((P, s.n_hc, s.n_embd), f32),
-            part_dot=d((P, s.hc_mix, n_chunks), f32), part_sq=d((P, n_chunks), np.float64),
+            part_dot=d((P, s.hc_mix, n_chunks), np.float64), part_sq=d((P, n_chunks), np.float64),
             part_gram=d((P, s.n_hc * s.n_hc, n_chunks), np.float64),
             post=d((P, s.n_hc), f32), comb=d((P, s.n_hc * s.n_hc), f32),
             x=d((P, s.n_embd), f32), xq=d((P, s.n_embd), i8), xd=d((P, s.n_embd // 32), f32),

@@ -141,11 +141,17 @@ def indexer_qat_rows(x):
 
 @jit
 def rms_scale(x, eps):
-    """ds4's RMS scale: Σx² in double, then 1/sqrtf((float)(ss/n) + eps) in f32."""
+    """ds4's RMS scale of x: Σx² in double, then rms_scale_of."""
     ss = 0.0
     for i in range(x.size):
         ss += np.float64(x[i]) * np.float64(x[i])
-    return np.float32(1.0) / np.float32(math.sqrt(np.float32(ss / x.size) + np.float32(eps)))
+    return rms_scale_of(ss, x.size, eps)
+
+
+@jit
+def rms_scale_of(ss, n, eps):
+    """1/sqrtf((float)(ss/n) + eps) in f32, from Σx² = ss accumulated in double."""
+    return np.float32(1.0) / np.float32(math.sqrt(np.float32(ss / n) + np.float32(eps)))
 
 
 @jit
@@ -195,73 +201,104 @@ def rope_tokens_inplace(x, pos0, freqs, inverse):
 
 # ---- hyper-connections (§6.2, §6.3, §6.12) ---------------------------------------------------------
 
+_hc_mix_value = jit(numerics.hc_mix_value)     # the CUDA kernels' HC math (kernels/numerics.py)
+_hc_logit = jit(numerics.hc_logit)
+_hc_pre_gate = jit(numerics.hc_pre_gate)
+_hc_post_gate = jit(numerics.hc_post_gate)
+_hc_normed = jit(numerics.hc_normed)
+
+
 @jit
-def hc_flat_norm_rows(X, eps):
-    """X [n, n_hc, n_embd] -> flat [n, n_hc·n_embd] scaled by its RMS (no weight)."""
+def hc_mix_rows(X, fn, eps):
+    """The mixer values of X [n, n_hc, n_embd] with fn [rows, n_hc·n_embd] (f32 copies of the f16
+    weights): (Σ fn·x in f64)·rs with rs the flat state's RMS scale, one rounding (numerics)."""
     n = X.shape[0]
-    flat = X.reshape(n, X.shape[1] * X.shape[2]).copy()
+    flat = X.reshape(n, X.shape[1] * X.shape[2])
+    mix = np.empty((n, fn.shape[0]), dtype=np.float32)
     for t in range(n):
-        s = rms_scale(flat[t], eps)
-        for i in range(flat.shape[1]):
-            flat[t, i] *= s
-    return flat
+        rs = rms_scale(flat[t], eps)
+        for r in range(fn.shape[0]):
+            dot = 0.0
+            for i in range(flat.shape[1]):
+                dot += np.float64(fn[r, i]) * np.float64(flat[t, i])
+            mix[t, r] = _hc_mix_value(dot, rs)
+    return mix
 
 
 @jit
-def hc_split_sinkhorn_rows(mix, scale, base, n_hc, n_iter, eps):
-    """mix [n, (2+n_hc)·n_hc] -> pre [n, n_hc], post [n, n_hc], comb [n, n_hc, n_hc] (comb[i, j])."""
+def hc_gates_rows(mix, scale, base, n_hc, n_iter, eps):
+    """mix [n, (2+n_hc)·n_hc] -> pre [n, n_hc], post [n, n_hc], comb [n, n_hc, n_hc] (comb[i, j]).
+    The Sinkhorn matrix in f64 (the GPU's sinkhorn_comb: the same sums in the same order), rounded
+    once: a row softmax + eps, a column pass, then n_iter - 1 row and column passes."""
     n = mix.shape[0]
     pre = np.empty((n, n_hc), dtype=np.float32)
     post = np.empty((n, n_hc), dtype=np.float32)
     comb = np.empty((n, n_hc, n_hc), dtype=np.float32)
+    c = np.empty((n_hc, n_hc), dtype=np.float64)
+    eps64 = np.float64(np.float32(eps))
     for t in range(n):
         for i in range(n_hc):
-            pre[t, i] = sigmoid(mix[t, i] * scale[0] + base[i]) + eps
-            post[t, i] = np.float32(2.0) * sigmoid(mix[t, n_hc + i] * scale[1] + base[n_hc + i])
-        c = comb[t]
+            pre[t, i] = _hc_pre_gate(mix[t, i], scale[0], base[i], eps)
+            post[t, i] = _hc_post_gate(mix[t, n_hc + i], scale[1], base[n_hc + i])
         for i in range(n_hc):
-            m = NEG_INF
+            row_max = -math.inf
             for j in range(n_hc):
-                c[i, j] = mix[t, 2 * n_hc + i * n_hc + j] * scale[2] + base[2 * n_hc + i * n_hc + j]
-                m = max(m, c[i, j])
-            total = np.float32(0.0)
+                c[i, j] = _hc_logit(mix[t, 2 * n_hc + i * n_hc + j], scale[2], base[2 * n_hc + i * n_hc + j])
+                row_max = max(row_max, c[i, j])
+            total = 0.0
             for j in range(n_hc):
-                c[i, j] = np.float32(math.exp(c[i, j] - m))
-                total += c[i, j]
+                total += math.exp(c[i, j] - row_max)
             for j in range(n_hc):
-                c[i, j] = c[i, j] / total + eps
-        _normalize_columns(c, eps)
-        for _ in range(n_iter - 1):
-            for i in range(n_hc):
-                total = np.float32(0.0)
-                for j in range(n_hc):
+                c[i, j] = math.exp(c[i, j] - row_max) / total + eps64
+        for it in range(n_iter):
+            if it > 0:
+                for i in range(n_hc):
+                    total = 0.0
+                    for j in range(n_hc):
+                        total += c[i, j]
+                    for j in range(n_hc):
+                        c[i, j] = c[i, j] / (total + eps64)
+            for j in range(n_hc):
+                total = 0.0
+                for i in range(n_hc):
                     total += c[i, j]
-                for j in range(n_hc):
-                    c[i, j] = c[i, j] / (total + eps)
-            _normalize_columns(c, eps)
+                for i in range(n_hc):
+                    c[i, j] = c[i, j] / (total + eps64)
+        for i in range(n_hc):
+            for j in range(n_hc):
+                comb[t, i, j] = np.float32(c[i, j])
     return pre, post, comb
 
 
 @jit
-def _normalize_columns(c, eps):
-    for j in range(c.shape[1]):
-        total = np.float32(0.0)
-        for i in range(c.shape[0]):
-            total += c[i, j]
-        for i in range(c.shape[0]):
-            c[i, j] = c[i, j] / (total + eps)
+def hc_head_weights(mix, scale, base, eps):
+    """Output-head collapse weights a[t, h] = sigmoid(mix·scale + base) + eps."""
+    a = np.empty_like(mix)
+    for t in range(mix.shape[0]):
+        for h in range(mix.shape[1]):
+            a[t, h] = _hc_pre_gate(mix[t, h], scale, base[h], eps)
+    return a
 
 
 @jit
-def hc_reduce_rows(weights, X):
-    """y[t] = Σ_h weights[t, h]·X[t, h]."""
+def hc_collapse_norm_rows(weights, X, norm_w, eps):
+    """x[t] = RMSNorm(Σ_h weights[t, h]·X[t, h])·norm_w: the collapse y in f64, Σy² from it, each
+    value rounded once (numerics.hc_normed), as the GPU's hc_pre and hc_head."""
     n, n_hc, n_embd = X.shape
-    y = np.zeros((n, n_embd), dtype=np.float32)
+    x = np.empty((n, n_embd), dtype=np.float32)
+    y = np.empty(n_embd, dtype=np.float64)
     for t in range(n):
-        for h in range(n_hc):
-            for i in range(n_embd):
-                y[t, i] += weights[t, h] * X[t, h, i]
-    return y
+        sumsq = 0.0
+        for i in range(n_embd):
+            acc = 0.0
+            for h in range(n_hc):
+                acc += np.float64(weights[t, h]) * np.float64(X[t, h, i])
+            y[i] = acc
+            sumsq += acc * acc
+        scale = rms_scale_of(sumsq, n_embd, eps)
+        for i in range(n_embd):
+            x[t, i] = _hc_normed(y[i], scale, norm_w[i])
+    return x
 
 
 @jit
@@ -277,16 +314,6 @@ def hc_post_rows(f, X, post, comb):
                     acc += comb[t, i, j] * X[t, i, d]
                 out[t, j, d] = acc
     return out
-
-
-@jit
-def hc_head_weights(pre, scale, base, eps):
-    """Output-head collapse weights a[t, h] = sigmoid(pre·scale + base) + eps."""
-    a = np.empty_like(pre)
-    for t in range(pre.shape[0]):
-        for h in range(pre.shape[1]):
-            a[t, h] = sigmoid(pre[t, h] * scale + base[h]) + eps
-    return a
 
 
 # ---- attention (§6.5, §6.6) -----------------------------------------------------------------------

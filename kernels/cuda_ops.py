@@ -162,6 +162,11 @@ def rms_scale(sumsq, n, eps):
 # shared with the CPU twins (kernels/numerics.py)
 swiglu = cuda.jit(device=True)(numerics.swiglu)
 rotate_pair = cuda.jit(device=True)(numerics.rotate_pair)
+hc_mix_value = cuda.jit(device=True)(numerics.hc_mix_value)
+hc_logit = cuda.jit(device=True)(numerics.hc_logit)
+hc_pre_gate = cuda.jit(device=True)(numerics.hc_pre_gate)
+hc_post_gate = cuda.jit(device=True)(numerics.hc_post_gate)
+hc_normed = cuda.jit(device=True)(numerics.hc_normed)
 
 
 @cuda.jit(device=True)
@@ -316,9 +321,10 @@ def mixer_first_weights(w16, base, chunk_len, first):
 @cached_jit()
 def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, PRE):
     """Partial mixer dots over one chunk of the flattened state: block (row, chunk, token). Chunks
-    never straddle streams (hc_chunk), so there is no index division per element. Row-0 blocks
-    also write the chunk's Σx² (in double) for the RMS scale. state [T, n_hc, n_embd], part_dot
-    [T, rows, chunks], part_sq [T, chunks].
+    never straddle streams (hc_chunk), so there is no index division per element. The dots are
+    f64 sums of exact products (kernels/numerics.py: the CPU twin adds them in another order).
+    Row-0 blocks also write the chunk's Σx² (in double) for the RMS scale. state [T, n_hc, n_embd],
+    part_dot [T, rows, chunks] (f64), part_sq [T, chunks].
 
     Each thread's first HC_PRE_VALS weights are loaded before the state (PRE, HC_MIX_PRE: before
     pdl_enter(), while the grid before may still run): the same products in the same order.
@@ -359,22 +365,22 @@ def hc_mix_partial(state, w16, fn_off, chunk_len, part_dot, part_sq, part_gram, 
     stream = start // n_embd
     d0 = start - stream * n_embd
     scratch64 = cuda.shared.array(BLOCK, float64)
-    scratch32 = cuda.shared.array(BLOCK, float32)
+    scratch_dot = cuda.shared.array(BLOCK, float64)
     sumsq = float64(0.0)
-    dot = float32(0.0)
+    dot = float64(0.0)
     if not PRE:
         mixer_first_weights(w16, base, chunk_len, first)
     for k in range(HC_PRE_VALS):            # j = tid, tid + nt, ... in order, as one loop would
         j = tid + k * nt
         if j < chunk_len:
             v = state[t, stream, d0 + j]
-            dot += first[k] * v
+            dot += float64(first[k]) * float64(v)
             sumsq += float64(v) * float64(v)
     for j in range(tid + HC_PRE_VALS * nt, chunk_len, nt):   # chunks longer than HC_PRE_VALS x nt
         v = state[t, stream, d0 + j]
-        dot += float32(w16[base + j]) * v
+        dot += float64(w16[base + j]) * float64(v)
         sumsq += float64(v) * float64(v)
-    total_dot = block_sum(dot, scratch32)
+    total_dot = block_sum(dot, scratch_dot)
     if row == 0:
         total_sq = block_sum(sumsq, scratch64)
         if tid == 0:
@@ -462,10 +468,9 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     start = chunk * chunk_len
     stream = start // n_embd
     d0 = start - stream * n_embd
-    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float32)      # [token][row]
+    dots = cuda.shared.array((HC_TOK_DOTS, BLOCK_WARPS), float64)      # [token][row]
     sums64 = cuda.shared.array((HC_TOK_SUMS, BLOCK_WARPS), float64)    # [token][pair, then Σx²]
     tree64 = cuda.shared.array(BLOCK, float64)                          # simulator only
-    tree32 = cuda.shared.array(BLOCK, float32)
     # the thread's state values (j = tid, tid + nthr, ...: the order of its sums), read once for
     # Σx² and all the mixer rows; ncu showed the kernel issue-bound when it re-read them per row.
     # A group past the last token repeats it (its partials are not written).
@@ -482,7 +487,7 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
     # mixer rows 8 at a time: their weights loaded once for the tokens, the 8 dots of a token
     # summed over the warp together (warp_partials8)
     w = cuda.local.array(HC_W8, float32)
-    v = cuda.local.array(8, float32)
+    v = cuda.local.array(8, float64)
     for row0 in range(0, n_rows, 8):
         for i in range(8):
             wrow = fn_off + min(row0 + i, n_rows - 1) * n_hc * n_embd + start
@@ -491,12 +496,12 @@ def hc_mix_tokens(state, w16, fn_off, chunk_len, with_gram, part_dot, part_sq, p
                 w[i * HC_MIX_VALS + k] = float32(w16[wrow + j]) if j < chunk_len else float32(0.0)
         for tt in range(HC_TOKENS):
             for i in range(8):
-                dot = float32(0.0)
+                dot = float64(0.0)
                 for k in range(HC_MIX_VALS):
                     if tid + k * nthr < chunk_len:
-                        dot += w[i * HC_MIX_VALS + k] * vals[tt * HC_MIX_VALS + k]
+                        dot += float64(w[i * HC_MIX_VALS + k]) * float64(vals[tt * HC_MIX_VALS + k])
                 v[i] = dot
-            warp_partials8(v, dots, tt * HC_MIX_MAX + row0, tt * HC_MIX_MAX + n_rows, tree32)
+            warp_partials8(v, dots, tt * HC_MIX_MAX + row0, tt * HC_MIX_MAX + n_rows, tree64)
     n_pairs = n_hc * n_hc if with_gram else 0
     if n_pairs:
         span = n_embd // part_dot.shape[2]
@@ -575,7 +580,8 @@ def hc_post_dim(state, d, f, post, comb):
 
 @cuda.jit(device=True)
 def sum_chunk_rows(part, vals, scale, out):
-    """out[row] = (Σ_chunk part[row, chunk]) · scale for every row (GPU path; all threads call): a
+    """out[row] = (Σ_chunk part[row, chunk]) · scale for every row, f64 sums rounded once to out's
+    type (GPU path; all threads call): a
     warp per row, its lanes the chunks (at most 32), shuffle sums. Warp w takes rows w, w + n_warps,
     ... and loads the partials of len(vals) of them (vals: the caller's local array, of a constant
     length, so the loops unroll) before the first sum: one L2 round trip, not one per row."""
@@ -594,12 +600,12 @@ def sum_chunk_rows(part, vals, scale, out):
             row = first + k * n_warps
             total = warp_sum_f32(vals[k])
             if lane == 0 and row < n_rows:
-                out[row] = total * scale
+                out[row] = total * scale        # f64; stored to f32 mix: numerics.hc_mix_value
 
 
 @cuda.jit(device=True)
 def hc_mix_values(part_dot, part_sq, n, eps, mix):
-    """mix[row] = (Σ_chunk partial dots) · rsqrt(mean(flat²) + eps) (§6.2) into shared memory,
+    """mix[row] = (Σ_chunk f64 partial dots) · rsqrt(mean(flat²) + eps) (§6.2) into shared memory,
     then a barrier: the consumers (hc_pre, hc_head) finish the mix themselves instead of a
     separate launch. On the GPU a warp takes a row, its lanes the chunks (one load each, shuffle
     sums; at most 32 chunks); in the simulator a thread takes a row."""
@@ -608,32 +614,35 @@ def hc_mix_values(part_dot, part_sq, n, eps, mix):
     if USE_SHUFFLES:
         lane = tid % 32
         sq = warp_sum_f32(part_sq[lane] if lane < n_chunks else float64(0.0))
-        dots = cuda.local.array(MIX_PER_WARP, float32)
+        dots = cuda.local.array(MIX_PER_WARP, float64)
         sum_chunk_rows(part_dot, dots, rms_scale(sq, n, eps), mix)
     elif tid < n_rows:
         sq = float64(0.0)
         for c in range(n_chunks):
             sq += part_sq[c]
-        dot = float32(0.0)
+        dot = float64(0.0)
         for c in range(n_chunks):
             dot += part_dot[tid, c]
-        mix[tid] = dot * rms_scale(sq, n, eps)
+        mix[tid] = hc_mix_value(dot, rms_scale(sq, n, eps))
     cuda.syncthreads()
 
 
+# The Sinkhorn matrix in f64 from the f32 mix (the CPU twin, cpu_ops.hc_gates_rows, adds the same
+# values in the same order), rounded once when written out.
+
 @cuda.jit(device=True)
-def sinkhorn_pass(comb, n_hc, by_row, eps32):
+def sinkhorn_pass(comb, n_hc, by_row, eps64):
     """Simulator path: divide each comb element by its row sum (by_row) or its column sum, + eps;
     the sums run in index order. Thread k < n_hc² owns element (k // n_hc, k % n_hc)."""
     tid = cuda.threadIdx.x
     i = tid // n_hc
     j = tid - i * n_hc
-    value = float32(0.0)
+    value = float64(0.0)
     if tid < n_hc * n_hc:
-        total = float32(0.0)
+        total = float64(0.0)
         for k in range(n_hc):
             total += comb[i * n_hc + k] if by_row else comb[k * n_hc + j]
-        value = comb[tid] / (total + eps32)
+        value = comb[tid] / (total + eps64)
     cuda.syncthreads()
     if tid < n_hc * n_hc:
         comb[tid] = value
@@ -642,11 +651,11 @@ def sinkhorn_pass(comb, n_hc, by_row, eps32):
 
 @cuda.jit(device=True)
 def comb_logit(mix, w32, scale_off, base_off, n_hc, k):
-    return mix[2 * n_hc + k] * w32[scale_off + 2] + w32[base_off + 2 * n_hc + k]
+    return hc_logit(mix[2 * n_hc + k], w32[scale_off + 2], w32[base_off + 2 * n_hc + k])
 
 
 @cuda.jit(device=True)
-def sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb):
+def sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps64, comb):
     """Simulator path of sinkhorn_comb: the matrix in shared memory, a barrier per pass."""
     tid = cuda.threadIdx.x
     nn = n_hc * n_hc
@@ -654,53 +663,53 @@ def sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb):
     if tid < nn:
         comb[tid] = comb_logit(mix, w32, scale_off, base_off, n_hc, tid)
     cuda.syncthreads()
-    value = float32(0.0)
+    value = float64(0.0)
     if tid < nn:                                   # softmax over j, + eps
-        row_max = float32(NEG_INF)
+        row_max = float64(-math.inf)
         for jj in range(n_hc):
             row_max = max(row_max, comb[i * n_hc + jj])
-        row_sum = float32(0.0)
+        row_sum = float64(0.0)
         for jj in range(n_hc):
             row_sum += math.exp(comb[i * n_hc + jj] - row_max)
-        value = math.exp(comb[tid] - row_max) / row_sum + eps32
+        value = math.exp(comb[tid] - row_max) / row_sum + eps64
     cuda.syncthreads()
     if tid < nn:
         comb[tid] = value
     cuda.syncthreads()
     for it in range(n_iter):
         if it > 0:                                 # rows, then columns, n_iter - 1 times
-            sinkhorn_pass(comb, n_hc, True, eps32)
-        sinkhorn_pass(comb, n_hc, False, eps32)
+            sinkhorn_pass(comb, n_hc, True, eps64)
+        sinkhorn_pass(comb, n_hc, False, eps64)
 
 
 @cuda.jit(device=True)
-def sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb):
+def sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps64, comb):
     """GPU path of sinkhorn_comb, by warp 0 alone with no barrier: lane k < n_hc² holds element
     (k // n_hc, k % n_hc) in a register; each row or column sum gathers its n_hc values by
     shuffles, in index order (the same sums as the shared-memory path)."""
     lane = cuda.threadIdx.x
     i = lane // n_hc
     j = lane - i * n_hc
-    value = comb_logit(mix, w32, scale_off, base_off, n_hc, lane) if lane < n_hc * n_hc else float32(0.0)
-    row_max = float32(NEG_INF)
+    value = comb_logit(mix, w32, scale_off, base_off, n_hc, lane) if lane < n_hc * n_hc else float64(0.0)
+    row_max = float64(-math.inf)
     for k in range(n_hc):
         row_max = max(row_max, cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31)))
-    row_sum = float32(0.0)
+    row_sum = float64(0.0)
     for k in range(n_hc):
         row_sum += math.exp(cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31)) - row_max)
-    value = math.exp(value - row_max) / row_sum + eps32
+    value = math.exp(value - row_max) / row_sum + eps64
     for it in range(n_iter):
         if it > 0:
-            total = float32(0.0)
+            total = float64(0.0)
             for k in range(n_hc):
                 total += cuda.shfl_sync(0xFFFFFFFF, value, min(i * n_hc + k, 31))
-            value = value / (total + eps32)
-        total = float32(0.0)
+            value = value / (total + eps64)
+        total = float64(0.0)
         for k in range(n_hc):
             total += cuda.shfl_sync(0xFFFFFFFF, value, min(k * n_hc + j, 31))
-        value = value / (total + eps32)
+        value = value / (total + eps64)
     if lane < n_hc * n_hc:
-        comb[lane] = value
+        comb[lane] = float32(value)
 
 
 @cuda.jit(device=True)
@@ -709,42 +718,45 @@ def sinkhorn_comb(mix, w32, scale_off, base_off, n_hc, n_iter, eps, post, comb):
     softmax + eps, then column and row normalisations (n_iter column passes). Written to global
     post/comb for hc_post. All threads of the block call."""
     tid = cuda.threadIdx.x
-    eps32 = float32(eps)
+    eps64 = float64(float32(eps))
     if tid < n_hc:
-        post[tid] = float32(2.0) * sigmoid(mix[n_hc + tid] * w32[scale_off + 1] + w32[base_off + n_hc + tid])
+        post[tid] = hc_post_gate(mix[n_hc + tid], w32[scale_off + 1], w32[base_off + n_hc + tid])
     if USE_SHUFFLES:
         if tid < 32:
-            sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, comb)
+            sinkhorn_warp(mix, w32, scale_off, base_off, n_hc, n_iter, eps64, comb)
     else:
-        work = cuda.shared.array(256, float32)
-        sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps32, work)
+        work = cuda.shared.array(256, float64)
+        sinkhorn_shared(mix, w32, scale_off, base_off, n_hc, n_iter, eps64, work)
         if tid < n_hc * n_hc:
-            comb[tid] = work[tid]
+            comb[tid] = float32(work[tid])
 
 
 @cuda.jit(device=True)
 def pre_gate(mix, w32, scale_off, base_off, h, eps):
     """The weight of HC stream h in a sublayer's input (hc_pre) or the head's (hc_head), §6.2:
-    sigmoid(mix[h]·scale + base[h]) + eps."""
-    return sigmoid(mix[h] * w32[scale_off] + w32[base_off + h]) + float32(eps)
+    sigmoid(mix[h]·scale + base[h]) + eps (kernels/numerics.py)."""
+    return hc_pre_gate(mix[h], w32[scale_off], w32[base_off + h], eps)
 
 
 @cuda.jit(device=True)
 def collapse_norm_q8(state, gates, w32, norm_off, eps, x_out, xq, xd, scratch64):
     """x = RMSNorm(Σ_h gates[h]·X[h])·w, and its Q8_0 quantization (every block thread calls):
-    the input of a sublayer (HC pre) and of the output head (HC head collapse)."""
+    the input of a sublayer (HC pre) and of the output head (HC head collapse). y in f64, Σy² from
+    it, y recomputed for the normed value (numerics.hc_normed), as the CPU's hc_collapse_norm_rows."""
     tid = cuda.threadIdx.x
     n_hc, n_embd = state.shape
     sumsq = float64(0.0)
     for i in range(tid, n_embd, cuda.blockDim.x):
-        y = float32(0.0)
+        y = float64(0.0)
         for h in range(n_hc):
-            y += gates[h] * state[h, i]
-        x_out[i] = y
-        sumsq += float64(y) * float64(y)
+            y += float64(gates[h]) * float64(state[h, i])
+        sumsq += y * y
     scale = rms_scale(block_sum(sumsq, scratch64), n_embd, eps)
     for i in range(tid, n_embd, cuda.blockDim.x):
-        x_out[i] = x_out[i] * scale * w32[norm_off + i]
+        y = float64(0.0)
+        for h in range(n_hc):
+            y += float64(gates[h]) * float64(state[h, i])
+        x_out[i] = hc_normed(y, scale, w32[norm_off + i])
     cuda.syncthreads()
     quantize_q8_0_block_values(x_out, xq, xd)
 
@@ -818,11 +830,12 @@ def hc_pre(state, part_dot, part_sq, part_gram, w32, scale_off, base_off, norm_o
                     row += float64(gates[h2]) * gram[h * n_hc + h2]
             sumsq += float64(gates[h]) * row
     scale = rms_scale(sumsq, n_embd, rms_eps)
-    y = float32(0.0)
+    # y in f64 (exact products, added in h order as the CPU twin), rounded once after the norm
+    y = float64(0.0)
     for h in range(HC_MAX):
         if h < n_hc:
-            y += gates[h] * values[h]
-    x = y * scale * norm_w
+            y += float64(gates[h]) * float64(values[h])
+    x = hc_normed(y, scale, norm_w)
     if inside:
         x_out[t, i] = x
     if USE_SHUFFLES:

@@ -10,7 +10,8 @@ differ in their last bits flip rounding ties downstream (ds4's Q8 activations, t
 on the tiny model that moves logits by 4-13 % of their std, where a difference of 2^-40 moves
 nothing (scripts/reference_sensitivity.py; notes/gpu-engine.md, Session 32).
 
-Plain Python: the CUDA simulator runs these as they are, with Python's libm for exp.
+Plain Python: the CUDA simulator runs these as they are, with Python's libm for exp. A function here
+calls no other (each engine compiles each function on its own: a call would be an untyped global).
 """
 
 import math
@@ -51,3 +52,37 @@ def rotate_pair(x0, x1, theta, inverse):
     s = -math.sin(theta) if inverse else math.sin(theta)
     a, b = float64(x0), float64(x1)
     return float32(a * c - b * s), float32(a * s + b * c)
+
+
+# ---- Hyper-Connections (ds4-model.md §6.2, §6.12) ---------------------------------------------------
+# The mixer's dot products are f64 sums of exact f32·f16 products on both engines (in different
+# orders: the GPU over chunk partials, the CPU in one pass), rounded once here with the f32 RMS
+# scale of the flat state. The gates and the Sinkhorn matrix are f64 from the f32 mix; the collapse
+# y = Σ_h a_h·X_h is f64 and rounded once after its norm.
+
+def hc_mix_value(dot, rs):
+    """One mixer value from its f64 dot product over the unnormalized flat state and the state's
+    f32 RMS scale: (Σ fn·x)·rs, which is Σ fn·(x·rs) but for the rounding."""
+    return float32(dot * float64(rs))
+
+
+def hc_logit(mix, scale, base):
+    """A gate's or a comb entry's logit mix·scale + base, f64 (the product of two f32 is exact)."""
+    return float64(mix) * float64(scale) + float64(base)
+
+
+def hc_pre_gate(mix, scale, base, eps):
+    """The weight of an HC stream in a sublayer's (or the head's) input: sigmoid(logit) + eps."""
+    logit = float64(mix) * float64(scale) + float64(base)     # hc_logit (these functions call no other)
+    return float32(1.0 / (1.0 + math.exp(-logit)) + float64(float32(eps)))
+
+
+def hc_post_gate(mix, scale, base):
+    """The weight of a sublayer's output in an HC stream: 2·sigmoid(logit)."""
+    logit = float64(mix) * float64(scale) + float64(base)     # hc_logit
+    return float32(2.0 / (1.0 + math.exp(-logit)))
+
+
+def hc_normed(y, scale, w):
+    """One value of the collapsed, RMS-normed sublayer input: y (f64) · scale (f32 RMS scale) · w."""
+    return float32(y * float64(scale) * float64(w))

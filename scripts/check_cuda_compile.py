@@ -25,14 +25,15 @@ i64 = types.int64; f64 = types.float64; b1 = types.boolean
 f32A2 = types.float32[:, :]; f32a3 = types.float32[:, :, ::1]; f32A3 = types.float32[:, :, :]
 f32a4 = types.float32[:, :, :, ::1]; i8a2 = types.int8[:, ::1]; i32a2 = types.int32[:, ::1]
 u32a2 = types.uint32[:, ::1]; f64a2 = types.float64[:, ::1]; i64a3 = types.int64[:, :, ::1]
+f64A3 = types.float64[:, :, :]
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a3),
- "hc_mix_partial": (f32a3, f16a, i64, i64, f32A3, f64a2, types.float64[:, :, ::1], b1),
- "hc_mix_tokens": (f32a3, f16a, i64, i64, b1, f32A3, f64a2, types.float64[:, :, ::1]),
- "hc_sinkhorn": (f32A3, f64a2, i64, f32a, i64, i64, i64, f64, f64, f32a2, f32a2),
- "hc_pre": (f32a3, f32A3, f64a2, types.float64[:, :, ::1], f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
+ "hc_mix_partial": (f32a3, f16a, i64, i64, f64A3, f64a2, types.float64[:, :, ::1], b1),
+ "hc_mix_tokens": (f32a3, f16a, i64, i64, b1, f64A3, f64a2, types.float64[:, :, ::1]),
+ "hc_sinkhorn": (f64A3, f64a2, i64, f32a, i64, i64, i64, f64, f64, f32a2, f32a2),
+ "hc_pre": (f32a3, f64A3, f64a2, types.float64[:, :, ::1], f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
  "hc_post": (f32a3, f32a2, f32a2, f32a2, f32a2),
- "hc_head": (f32a3, f32A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
+ "hc_head": (f32a3, f64A3, f64a2, f32a, i64, i64, i64, f64, f64, f32a2, i8a2, f32a2),
  "rmsnorm_q8": (f32A2, f32a, i64, f64, f32a2, i8a2, f32a2),
  "kv_finish": (f32A2, f32a, i64, f64, i32a, f64a, i64, f32a2),
  "q_heads": (f32a2, i64, i64, f64, i32a, f64a),

@@ -216,7 +216,7 @@ class HostHcMix:
             n_chunks = flat.shape[1] // chunk_len
             fc_ = flat.reshape(n_tok, n_chunks, chunk_len)
             dots = np.einsum("rcj,tcj->trc", w.reshape(n_rows, n_chunks, chunk_len), fc_)
-            part_dot._ary[...] = dots.astype(np.float32)
+            part_dot._ary[...] = dots
             part_sq._ary[...] = (fc_ ** 2).sum(-1)
             if launch[0][0] > n_rows:       # hc_pre's Gram partials over n_chunks d-ranges
                 sr = st.reshape(n_tok, n_hc, n_chunks, n_embd // n_chunks)

@@ -52,7 +52,7 @@ def check_hc(n_tok):
     d_state = cuda.to_device(states)
     chunk = 128                                    # two chunks per stream
     n_chunks = n_hc * n_embd // chunk
-    part_dot = cuda.device_array((n_tok, mix_rows, n_chunks), np.float32)
+    part_dot = cuda.device_array((n_tok, mix_rows, n_chunks), np.float64)
     part_sq = cuda.device_array((n_tok, n_chunks), np.float64)
     part_gram = cuda.device_array((n_tok, n_hc * n_hc, n_chunks), np.float64)
     ops.hc_mix_partial[(mix_rows + n_hc * n_hc, n_chunks, n_tok), 64](
@@ -92,15 +92,32 @@ def check_hc(n_tok):
                                     20, 1e-6, 1e-6, post, comb)
     ops.hc_pre[(x_blocks, n_tok), 64](d_state, part_dot, part_sq, part_gram, d_arena.view(np.float32), off32,
                                       off32 + 3, off32 + 3 + mix_rows, 1e-6, 1e-6, x, xq, xd)
+    head_x = cuda.device_array((n_tok, n_embd), np.float32)     # the output head's collapse, same mixer rows
+    head_q, head_d = cuda.device_array((n_tok, n_embd), np.int8), cuda.device_array((n_tok, n_embd // 32), np.float32)
+    ops.hc_head[(1, n_tok), 64](d_state, part_dot[:, :n_hc], part_sq, d_arena.view(np.float32), off32, off32 + 3,
+                                off32 + 3 + mix_rows, 1e-6, 1e-6, head_x, head_q, head_d)
     f_a = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     f_b = rng.normal(0, 1, (n_tok, n_embd)).astype(np.float32)
     post_h, comb_h = post.copy_to_host(), comb.copy_to_host()
-    pd_all, ps_all = part_dot.copy_to_host().astype(np.float64), part_sq.copy_to_host()
+    pd_all, ps_all = part_dot.copy_to_host(), part_sq.copy_to_host()
     pg_all = part_gram.copy_to_host()
     d_fa, d_fb = cuda.to_device(f_a), cuda.to_device(f_b)
     ops.hc_post[(4, n_tok), 64](d_state, d_fa, d_fb, post, comb)
     new_state = d_state.copy_to_host()
     x_h, q_h, d_h = x.copy_to_host(), xq.copy_to_host(), xd.copy_to_host()
+    # the CPU engine's HC ops (kernels/cpu_ops.py) give the same bits: f64 sums, one rounding each
+    cpu_mix = cpu_ops.hc_mix_rows(states, fn.astype(np.float32), 1e-6)
+    cpu_pre, cpu_post, cpu_comb = cpu_ops.hc_gates_rows(cpu_mix, scale, base, n_hc, 20, np.float32(1e-6))
+    cpu_x = cpu_ops.hc_collapse_norm_rows(cpu_pre, states, norm, 1e-6)
+    cpu_head = cpu_ops.hc_collapse_norm_rows(cpu_ops.hc_head_weights(cpu_mix[:, :n_hc], scale[0], base[:n_hc],
+                                                                      np.float32(1e-6)), states, norm, 1e-6)
+    for name, got, want in (("post gates", post_h, cpu_post), ("Sinkhorn", comb_h, cpu_comb.reshape(n_tok, -1)),
+                            ("x", x_h, cpu_x), ("head x", head_x.copy_to_host(), cpu_head)):
+        same = np.array_equal(got, want)
+        print(("ok " if same else "BAD") + f" hc {name} [T={n_tok}]: bitwise equal to the CPU twin: {same}"
+              + ("" if same else f" (max|Δ| {np.max(np.abs(got - want)):.3g})"))
+        if not same:
+            raise SystemExit(f"hc {name} differs from the CPU twin")
     for t in range(n_tok):
         tag = f" [T={n_tok} t={t}]"
         state = states[t]
