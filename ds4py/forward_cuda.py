@@ -117,8 +117,9 @@ class Scratch:
             # zeroed: the attention of a layer without an indexer reads it (and ignores it); before the
             # first indexer ran, compute-sanitizer's initcheck flagged that read
             n_selected=cuda.to_device(np.zeros(P, i32)),
-            part_max=d((P, s.n_head, n_splits), f32), part_den=d((P, s.n_head, n_splits), f32),
-            part_acc=d((P, s.n_head, n_splits, s.head_dim), f32),
+            # f64: the attention's scores and sums, rounded once in attention_combine (cuda_ops)
+            part_max=d((P, s.n_head, n_splits), np.float64), part_den=d((P, s.n_head, n_splits), np.float64),
+            part_acc=d((P, s.n_head, n_splits, s.head_dim), np.float64),
             f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
             router=d((P, s.n_exp), f32), expert_ids=d((P, s.n_used), i32), route_w=d((P, s.n_used), f32),
             slot_offsets=d((P, s.n_used, 3), np.int64), moe_out=d((P, s.n_embd), f32),

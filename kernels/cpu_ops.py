@@ -321,31 +321,33 @@ def hc_post_rows(f, X, post, comb):
 @pjit
 def sink_attention(q, raw, raw_start, n_raw, comp, comp_ids, sinks, scale):
     """q [n_head, hd] over the raw ring rows raw[(raw_start + r) % cap], r < n_raw, and the
-    compressed rows comp[comp_ids]. K = V = the row; the sink joins the denominator only."""
+    compressed rows comp[comp_ids]. K = V = the row; the sink joins the denominator only. Scores,
+    softmax and sums in f64 (the rows are f16 values: q·row's products are exact), each output
+    rounded once, as the GPU's attention_partial + attention_combine (in another order)."""
     n_head, hd = q.shape
     cap = raw.shape[0]
     n_rows = n_raw + comp_ids.size
     out = np.empty((n_head, hd), dtype=np.float32)
     for h in prange(n_head):
-        scores = np.empty(n_rows, dtype=np.float32)
-        m = sinks[h]
+        scores = np.empty(n_rows, dtype=np.float64)
+        m = np.float64(sinks[h])
         for r in range(n_rows):
             row = raw[(raw_start + r) % cap] if r < n_raw else comp[comp_ids[r - n_raw]]
-            acc = np.float32(0.0)
+            acc = 0.0
             for i in range(hd):
-                acc += q[h, i] * row[i]
-            scores[r] = acc * scale
+                acc += np.float64(q[h, i]) * np.float64(row[i])
+            scores[r] = acc * np.float64(scale)
             m = max(m, scores[r])
-        den = np.float32(math.exp(sinks[h] - m))
-        acc_o = np.zeros(hd, dtype=np.float32)
+        den = math.exp(np.float64(sinks[h]) - m)
+        acc_o = np.zeros(hd, dtype=np.float64)
         for r in range(n_rows):
             row = raw[(raw_start + r) % cap] if r < n_raw else comp[comp_ids[r - n_raw]]
-            e = np.float32(math.exp(scores[r] - m))
+            e = math.exp(scores[r] - m)
             den += e
             for i in range(hd):
-                acc_o[i] += e * row[i]
+                acc_o[i] += e * np.float64(row[i])
         for i in range(hd):
-            out[h, i] = acc_o[i] / den
+            out[h, i] = np.float32(acc_o[i] / den)
     return out
 
 

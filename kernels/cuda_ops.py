@@ -1675,9 +1675,11 @@ ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
 ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
-# Two attention_partial blocks per SM (<= 128 registers): 160 busy blocks at 640 rows then all run
-# at once on the 132 SMs. The simulator's jit takes no launch bounds.
-ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 2)}
+# One attention_partial block per SM guaranteed (<= 255 registers): with its sums in f64 (the CPU
+# twin's numerics) it needs 245 registers; capped at 128 for two blocks per SM it spilled 904 bytes
+# (ptxas, scripts/check_cuda_compile.py --ptxas; the f32 sums fit in 128 with 168 bytes spilled).
+# The simulator's jit takes no launch bounds.
+ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 1)}
 
 
 @cuda.jit(device=True)
@@ -1799,21 +1801,23 @@ def load_q(q, group, head_dim, q_reg):
 def score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch):
     """scores[h, t] = q_h · row_t / sqrt(head_dim) for the group's 8 heads and the 32 tile slots
     (layout in the section comment; padded slots get scores the softmax ignores). Warp w takes
-    slots w%4 + 8i and w%4 + 8i + 4 per round, so one warp_sum8 reduces 4 heads x 2 rows."""
+    slots w%4 + 8i and w%4 + 8i + 4 per round, so one warp_sum8 reduces 4 heads x 2 rows. The dots
+    are f64 sums of exact products (f32 q times f16 rows), as the CPU twin's (cpu_ops.sink_attention):
+    the two engines' scores then differ by ~1e-16, not by f32 roundings."""
     warp = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
     q_reg = cuda.local.array(ATTN_Q_REGS, float32)
     load_q(q, group, head_dim, q_reg)
-    part = cuda.local.array(8, float32)
+    part = cuda.local.array(8, float64)
     for i in range(ATTN_TILE // 8):
         t0 = warp % 4 + 8 * i
         for k in range(8):
-            part[k] = float32(0.0)
+            part[k] = float64(0.0)
         for j in range(ATTN_LANE_DIMS):
-            x0 = float32(rows[uint64(t0), uint64(lane + 32 * j)])
-            x1 = float32(rows[uint64(t0 + 4), uint64(lane + 32 * j)])
+            x0 = float64(rows[uint64(t0), uint64(lane + 32 * j)])
+            x1 = float64(rows[uint64(t0 + 4), uint64(lane + 32 * j)])
             for hh in range(4):
-                qv = q_reg[hh * ATTN_LANE_DIMS + j]
+                qv = float64(q_reg[hh * ATTN_LANE_DIMS + j])
                 part[hh] += qv * x0
                 part[4 + hh] += qv * x1
         total = warp_sum8(part, scratch)
@@ -1828,9 +1832,9 @@ def softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch):
     rescale[head] the factor for the sums so far."""
     head = cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
-    s = scores[head, lane] if lane < n_tile else float32(NEG_INF)
+    s = scores[head, lane] if lane < n_tile else float64(NEG_INF)
     m_new = max(m_run, lanes_max(s, scratch))
-    e = math.exp(s - m_new) if lane < n_tile else float32(0.0)
+    e = math.exp(s - m_new) if lane < n_tile else float64(0.0)
     scale = math.exp(m_run - m_new)
     den_new = den_run * scale + lanes_sum(e, scratch)
     scores[head, lane] = e
@@ -1849,18 +1853,18 @@ def accumulate_tile(rows, weights, rescale, first, part_acc, group, split, head_
     quad = cuda.threadIdx.x // 128
     dim0 = cuda.threadIdx.x % 128
     head0 = group * ATTN_HEADS + 4 * quad
-    acc = cuda.local.array(16, float32)
+    acc = cuda.local.array(16, float64)
     for hh in range(4):
         out = part_acc[min(head0 + hh, n_head - 1), split]
         for j in range(4):
             d = dim0 + 128 * j
-            acc[4 * hh + j] = float32(0.0)
+            acc[4 * hh + j] = float64(0.0)
             if not first and head0 + hh < n_head and d < head_dim:
                 acc[4 * hh + j] = out[uint64(d)] * rescale[4 * quad + hh]
-    x = cuda.local.array(4, float32)
+    x = cuda.local.array(4, float64)
     for t in range(ATTN_TILE):
         for j in range(4):
-            x[j] = float32(rows[uint64(t), uint64(dim0 + 128 * j)])
+            x[j] = float64(rows[uint64(t), uint64(dim0 + 128 * j)])
         for hh in range(4):
             w = weights[uint64(4 * quad + hh), uint64(t)]
             for j in range(4):
@@ -1887,9 +1891,9 @@ def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
                  first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
     """The group's heads over visible rows begin .. end-1, tile by tile, with an online softmax:
     writes Σexp·row into part_acc and returns the max and Σexp of head `warp` of the group."""
-    m_run = float32(NEG_INF)
-    den_run = float32(0.0)
-    inv_sqrt = float32(1.0 / math.sqrt(head_dim))
+    m_run = float64(NEG_INF)
+    den_run = float64(0.0)
+    inv_sqrt = float64(float32(1.0 / math.sqrt(head_dim)))     # the CPU engine's f32 attn_scale
     for tile_begin in range(begin, end, ATTN_TILE):
         n_tile = min(ATTN_TILE, end - tile_begin)
         stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
@@ -1940,9 +1944,9 @@ def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_
         part_max[head, split] = m_run
         part_den[head, split] = den_run
     if begin == end:                   # empty range: neutral sums too
-        zeros = cuda.local.array(16, float32)
+        zeros = cuda.local.array(16, float64)
         for k in range(16):
-            zeros[k] = float32(0.0)
+            zeros[k] = float64(0.0)
         store_acc(zeros, part_acc, group, split, head_dim)
 
 
@@ -1951,16 +1955,16 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
                       use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
     """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
     whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
-    Σexp·row (f32). A block whose range is empty (short context) writes neutral partials (max
+    Σexp·row (f64: scores, softmax and sums in f64, rounded once in attention_combine). A block whose range is empty (short context) writes neutral partials (max
     NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
     T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
     n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
     pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
     pdl_enter()
     rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
-    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float32)     # then the exp weights
-    rescale = cuda.shared.array(ATTN_HEADS, float32)
-    scratch = cuda.shared.array(ATTN_THREADS, float32)       # lane_swap in the simulator only
+    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float64)     # then the exp weights
+    rescale = cuda.shared.array(ATTN_HEADS, float64)
+    scratch = cuda.shared.array(ATTN_THREADS, float64)       # lane_swap in the simulator only
     attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
                     use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
                     rescale, scratch)
@@ -2346,10 +2350,10 @@ def _attention_combine_kernel(SPLITS):
         # every split's values are loaded first, in loops over the constant SPLITS that unroll,
         # so the loads are in flight together; loops over n_splits with the sums in between waited
         # for one L2 round trip per split (13 us per launch, ncu on the H200). Same sums, same order.
-        s_max = cuda.local.array(SPLITS, float32)
-        s_den = cuda.local.array(SPLITS, float32)
-        s_acc0 = cuda.local.array(SPLITS, float32)
-        s_acc1 = cuda.local.array(SPLITS, float32)
+        s_max = cuda.local.array(SPLITS, float64)       # f64 partials (attention_partial; the
+        s_den = cuda.local.array(SPLITS, float64)       # prefill's MMA kernel stores its f32 values)
+        s_acc0 = cuda.local.array(SPLITS, float64)
+        s_acc1 = cuda.local.array(SPLITS, float64)
         d = 2 * (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x)
         inside = d < head_dim              # whole 16-lane groups: head_dim % 32 == 0
         for s_ in range(SPLITS):
@@ -2359,7 +2363,7 @@ def _attention_combine_kernel(SPLITS):
                 if inside:
                     s_acc0[s_] = part_acc[head, s_, d]
                     s_acc1[s_] = part_acc[head, s_, d + 1]
-        sink = w32[sinks_off + head]
+        sink = float64(w32[sinks_off + head])
         m = sink
         for s_ in range(SPLITS):
             if s_ < n_splits:
@@ -2367,21 +2371,21 @@ def _attention_combine_kernel(SPLITS):
         den = math.exp(sink - m)
         for s_ in range(SPLITS):          # each split's weight: 0 for empty splits (Σ 0)
             if s_ < n_splits:
-                s_max[s_] = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float32(0.0)
+                s_max[s_] = math.exp(s_max[s_] - m) if s_den[s_] > 0 else float64(0.0)
                 den += s_max[s_] * s_den[s_]
         x0 = float32(0.0)
         x1 = float32(0.0)
         if inside:
-            acc0 = float32(0.0)
-            acc1 = float32(0.0)
+            acc0 = float64(0.0)
+            acc1 = float64(0.0)
             for s_ in range(SPLITS):
                 if s_ < n_splits:
                     w = s_max[s_]
                     if w != 0:
                         acc0 += w * s_acc0[s_]
                         acc1 += w * s_acc1[s_]
-            x0 = acc0 / den
-            x1 = acc1 / den
+            x0 = float32(acc0 / den)         # the one rounding (the CPU twin's too), then the RoPE
+            x1 = float32(acc1 / den)
         finish_pair(x0, x1, inside, d, head, t, n_tok, pos_buf, head_dim, n_rot, freqs,
                     part_max_all.shape[1] // n_group, out, out_q, out_d)
 

@@ -25,7 +25,7 @@ i64 = types.int64; f64 = types.float64; b1 = types.boolean
 f32A2 = types.float32[:, :]; f32a3 = types.float32[:, :, ::1]; f32A3 = types.float32[:, :, :]
 f32a4 = types.float32[:, :, :, ::1]; i8a2 = types.int8[:, ::1]; i32a2 = types.int32[:, ::1]
 u32a2 = types.uint32[:, ::1]; f64a2 = types.float64[:, ::1]; i64a3 = types.int64[:, :, ::1]
-f64A3 = types.float64[:, :, :]
+f64A3 = types.float64[:, :, :]; f64a3 = types.float64[:, :, ::1]; f64a4 = types.float64[:, :, :, ::1]
 sigs = {
  "embed": (i32a, f16a, i64, i64, i64, f32a3),
  "hc_mix_partial": (f32a3, f16a, i64, i64, f64A3, f64a2, types.float64[:, :, ::1], b1),
@@ -45,11 +45,11 @@ sigs = {
  "indexer_scores": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, f32a2),
  "indexer_scores_rows": (f32a2, f32a2, f64, f32a2, i32a, i64, i64, i64, f32a2),
  "indexer_select": (u32a2, i32a, i64, i32a2, i32a),
- "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
- "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
- "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
- "attention_combine": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
- "attention_combine_one": (f32a3, f32a3, f32a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
+ "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f64a3, f64a3, f64a4),
+ "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f64a3, f64a3, f64a4),
+ "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f64a3, f64a3, f64a4),
+ "attention_combine": (f64a3, f64a3, f64a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
+ "attention_combine_one": (f64a3, f64a3, f64a4, f32a, i64, i32a, i64, i64, f64a, i64, f32a, i8a, f32a),
  "route": (f32a2, i32a, f32a, i64, b1, i32a, i64, b1, i64, f64, i64a, i32a2, f32a2, i64a3),
  "swiglu_q8": (f32A2, f32A2, f64, f32a2, i8a2, f32a2),
  "groups_to_tokens": (f32a, i64, i64, f32a),

@@ -215,9 +215,9 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
     sel = np.zeros((n_tok, width), np.int32)
     for t, sl in enumerate(sels):
         sel[t, :len(sl)] = sl
-    part_max = cuda.device_array((n_tok, n_head, n_splits), np.float32)
-    part_den = cuda.device_array((n_tok, n_head, n_splits), np.float32)
-    part_acc = cuda.device_array((n_tok, n_head, n_splits, head_dim), np.float32)
+    part_max = cuda.device_array((n_tok, n_head, n_splits), np.float64)
+    part_den = cuda.device_array((n_tok, n_head, n_splits), np.float64)
+    part_acc = cuda.device_array((n_tok, n_head, n_splits, head_dim), np.float64)
     d_pos = cuda.to_device(np.asarray(positions, np.int32))
     grid = ((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, n_splits, n_tok)
     ops.attention_partial[grid, ops.ATTN_THREADS](
@@ -240,6 +240,15 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
                                               sinks[h:h + 1].astype(np.float64), head_dim), pos, inverse=True)[0]
                 for h in range(n_head)]
         close(f"sink attention, {name} (T={n_tok} t={t}, {len(rows)} rows)", got[t], np.concatenate(want), 1e-5)
+        # the CPU engine's twin (f64 scores and sums, one rounding, then the f64 inverse RoPE): same bits
+        twin = cpu_ops.sink_attention(q[t].reshape(n_head, head_dim), raw, (pos + 1 - n_raw) % cap, n_raw, comp,
+                                      np.asarray(comp_rows, np.int64), sinks, np.float32(1.0 / math.sqrt(head_dim)))
+        cpu_ops.rope_tail_inplace(twin, pos, freqs, True)
+        same = np.array_equal(got[t], twin.reshape(-1))
+        print(f"{'ok ' if same else 'BAD'} sink attention, {name} (T={n_tok} t={t}): the CPU twin's bits: {same}"
+              + ("" if same else f" (max|Δ| {np.max(np.abs(got[t] - twin.reshape(-1))):.3g})"))
+        if not same:
+            raise SystemExit(1)
 
 
 def check_attention():
@@ -264,9 +273,9 @@ def check_attention_mma():
     n_head, head_dim = ops.ATTN_MMA_HEADS, ops.ATTN_MMA_DIM
     inp = TD.attention_inputs(rng, n_head, head_dim, 40, 44, 4, 12, [45, 6], [[0, 2, 3, 5, 7, 8, 9, 10, 11], [1]])
     n_tok = len(inp["pos"])
-    part_max = cuda.device_array((n_tok, n_head, 1), np.float32)
-    part_den = cuda.device_array((n_tok, n_head, 1), np.float32)
-    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float32)
+    part_max = cuda.device_array((n_tok, n_head, 1), np.float64)
+    part_den = cuda.device_array((n_tok, n_head, 1), np.float64)
+    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float64)
     ops.attention_prefill_mma[(1, 1, n_tok), ops.ATTN_MMA_THREADS](
         *[cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")],
         inp["n_swa"], inp["ratio"], inp["use_selected"], part_max, part_den, part_acc)

@@ -964,9 +964,9 @@ def _attention_partials(inp, n_head, head_dim, mma):
     the tensor-core kernel named mma (attention_prefill_mma or its no-prefetch variant)."""
     from ds4py.kernels import cuda_ops as ops
     n_tok = len(inp["pos"])
-    part_max = cuda.device_array((n_tok, n_head, 1), np.float32)
-    part_den = cuda.device_array((n_tok, n_head, 1), np.float32)
-    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float32)
+    part_max = cuda.device_array((n_tok, n_head, 1), np.float64)
+    part_den = cuda.device_array((n_tok, n_head, 1), np.float64)
+    part_acc = cuda.device_array((n_tok, n_head, 1, head_dim), np.float64)
     args = [cuda.to_device(inp[k]) for k in ("q", "raw", "comp", "selected", "n_selected", "pos")]
     args += [inp["n_swa"], inp["ratio"], inp["use_selected"]]
     if mma:
