@@ -40,10 +40,6 @@ class RopeParams:
         """x [n, rows, dim]: token t at position pos0 + t; tail n_rot dims, in place."""
         ops.rope_tokens_inplace(x, pos0, self.freqs, inverse)
 
-    def rotate_row(self, x: np.ndarray, pos: int) -> None:
-        """x [rows, dim] at one position, in place."""
-        ops.rope_tail_inplace(x, pos, self.freqs, False)
-
 
 def rope_params(spec, il: int) -> RopeParams:
     """Dense layers: base rope_freq_base, no scaling. Compressed layers: the compressed base with
@@ -321,14 +317,8 @@ class CpuEngine:
         if (pos + 1) % r:
             return
         pooled = ops.compressor_pool(lane.kv_state, lane.score_state, r, lane.dim)
-        row = ops.rms_norm_rows(pooled[None, :], self.w.vec(prefix + "_norm.weight"), s.rms_eps)
-        rope.rotate_row(row, pos + 1 - r)
-        if kind == "attn":
-            ops.fp8_e4m3_sim_inplace(row[0], s.n_nope)
-        else:
-            ops.indexer_qat_rows(row)
-        ops.f16_round_inplace(row)
-        lane.rows[lane.n_rows] = row[0]
+        lane.rows[lane.n_rows] = ops.compressed_row(pooled, self.w.vec(prefix + "_norm.weight"), s.rms_eps,
+                                                    pos + 1 - r, rope.freqs, kind == "index", s.n_nope)
         lane.n_rows += 1
         if r == 4:
             ops.compressor_shift(lane.kv_state, lane.score_state)

@@ -53,20 +53,6 @@ def pow2_ceil(y):
     return math.ldexp(1.0, e - 1 if m == 0.5 else e)
 
 
-@jit
-def sigmoid(z):
-    return np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
-
-
-@jit
-def softplus(z):
-    if z > 20.0:
-        return z
-    if z < -20.0:
-        return np.float32(math.exp(z))
-    return np.float32(math.log1p(math.exp(z)))
-
-
 # ---- cache rows ------------------------------------------------------------------------------------
 
 @jit
@@ -376,15 +362,29 @@ def compressor_pool(kv_state, score_state, ratio, dim):
         if m <= EMPTY_WINDOW:
             pooled[j] = 0.0
             continue
-        den = np.float32(0.0)
-        acc = np.float32(0.0)
+        den = 0.0                   # f64, rounded once: the GPU's pool_column
+        acc = 0.0
         for r in range(n_cand):
             col = j + dim if (ratio == 4 and r >= 4) else j
-            e = np.float32(math.exp(score_state[r, col] - m))
+            e = math.exp(np.float64(score_state[r, col]) - np.float64(m))
             den += e
-            acc += e * kv_state[r, col]
-        pooled[j] = acc / den
+            acc += e * np.float64(kv_state[r, col])
+        pooled[j] = np.float32(acc / den)
     return pooled
+
+
+def compressed_row(pooled, norm_w, eps, pos, freqs, indexer_lane, n_nope):
+    """A pooled compressor row finished for its cache (§6.8): RMSNorm·w, RoPE of the tail at the
+    window's first position, then FP8 on the nope dims (attention lane) or Hadamard + FP4 (indexer
+    lane), f16-rounded. (The GPU's compressor_row.)"""
+    row = rms_norm_rows(pooled[None, :], norm_w, eps)
+    rope_tail_inplace(row, pos, freqs, False)
+    if indexer_lane:
+        indexer_qat_rows(row)
+    else:
+        fp8_e4m3_sim_inplace(row[0], n_nope)
+    f16_round_inplace(row)
+    return row[0]
 
 
 @jit
@@ -400,18 +400,19 @@ def compressor_shift(kv_state, score_state):
 
 @pjit
 def indexer_scores(rows, n_rows, iq, head_w):
-    """score[c] = Σ_h head_w[h]·max(0, rows[c]·iq[h]) for c < n_rows."""
+    """score[c] = Σ_h head_w[h]·max(0, rows[c]·iq[h]) for c < n_rows: the dots in f32 (exact: FP4
+    values), the heads' sum in f64 and rounded once (the GPU's _add_head)."""
     n_ihead, d = iq.shape
     scores = np.empty(n_rows, dtype=np.float32)
     for c in prange(n_rows):
-        total = np.float32(0.0)
+        total = 0.0
         for h in range(n_ihead):
             acc = np.float32(0.0)
             for i in range(d):
                 acc += rows[c, i] * iq[h, i]
             if acc > 0.0:
-                total += head_w[h] * acc
-        scores[c] = total
+                total += np.float64(head_w[h]) * np.float64(acc)
+        scores[c] = np.float32(total)
     return scores
 
 
@@ -424,6 +425,9 @@ def topk_desc(values, k):
 
 # ---- router (§6.11) --------------------------------------------------------------------------------
 
+_router_prob = jit(numerics.router_prob)      # the GPU's route (kernels/numerics.py)
+
+
 @jit
 def router_weights(logits, expert_ids, scale, normalize):
     """Unbiased sqrt-softplus probabilities of the chosen experts, normalised (floor 2^-14), scaled."""
@@ -431,7 +435,7 @@ def router_weights(logits, expert_ids, scale, normalize):
     w = np.empty(n_used, dtype=np.float32)
     total = np.float32(0.0)
     for k in range(n_used):
-        w[k] = np.float32(math.sqrt(softplus(logits[expert_ids[k]])))
+        w[k] = _router_prob(logits[expert_ids[k]])
         total += w[k]
     div = max(total, EXPERT_SUM_FLOOR) if normalize else np.float32(1.0)
     for k in range(n_used):
@@ -444,7 +448,7 @@ def router_topk(logits, bias, n_used):
     """Experts picked by sqrt-softplus probability + bias (bias empty: none)."""
     sel = np.empty(logits.size, dtype=np.float32)
     for e in range(logits.size):
-        sel[e] = np.float32(math.sqrt(softplus(logits[e])))
+        sel[e] = _router_prob(logits[e])
         if bias.size:
             sel[e] += bias[e]
     return topk_desc(sel, n_used).astype(np.int32)

@@ -167,11 +167,7 @@ hc_logit = cuda.jit(device=True)(numerics.hc_logit)
 hc_pre_gate = cuda.jit(device=True)(numerics.hc_pre_gate)
 hc_post_gate = cuda.jit(device=True)(numerics.hc_post_gate)
 hc_normed = cuda.jit(device=True)(numerics.hc_normed)
-
-
-@cuda.jit(device=True)
-def sigmoid(z):
-    return float32(1.0) / (float32(1.0) + math.exp(-z))
+router_prob = cuda.jit(device=True)(numerics.router_prob)
 
 
 @cuda.jit(device=True)
@@ -1055,20 +1051,21 @@ def pool_column(kv, sc, win_rows, tid, ratio, head_dim):
     """Softmax-pooled value of column tid over a compressor window: entry r of the window is row
     win_rows[r] of kv / sc (scores with the APE added). Ratio 4 windows have 8 entries, the previous
     window's 4 tokens on the first head_dim columns, then the current window's on the second;
-    other ratios have `ratio` entries on one set of columns."""
+    other ratios have `ratio` entries on one set of columns. The softmax and sums in f64, rounded
+    once (the CPU twin's cpu_ops.compressor_pool: the same sums in the same order)."""
     best = float32(NEG_INF)
     n = 8 if ratio == 4 else ratio
     for r in range(n):
         col = head_dim + tid if ratio == 4 and r >= 4 else tid
         best = max(best, sc[win_rows[r], col])
-    total = float32(0.0)
-    acc = float32(0.0)
+    total = float64(0.0)
+    acc = float64(0.0)
     for r in range(n):
         col = head_dim + tid if ratio == 4 and r >= 4 else tid
-        e = math.exp(sc[win_rows[r], col] - best)
+        e = math.exp(float64(sc[win_rows[r], col]) - float64(best))
         total += e
-        acc += e * kv[win_rows[r], col]
-    return acc / total if best > -5e29 else float32(0.0)
+        acc += e * float64(kv[win_rows[r], col])
+    return float32(acc / total) if best > -5e29 else float32(0.0)
 
 
 @cuda.jit(device=True)
@@ -1295,20 +1292,22 @@ def indexer_decode_blocks(n_rows: int) -> int:
 
 @cuda.jit(device=True)
 def _add_head(total, w, dot):
-    """total + w·dot when the head's dot is positive: the one place both score kernels add a head
-    (its expression form, a product feeding an add, is what they must share)."""
+    """total + w·dot when the head's dot is positive: the one place both score kernels add a head.
+    total is f64 and w·dot (two f32) exact in it, so NVVM's contraction of the product into the add
+    changes no bit and the CPU twin (cpu_ops.indexer_scores) gets the same sum; the score is
+    rounded once. (The dots themselves are exact in f32: FP4 rows times FP4 queries.)"""
     if dot > float32(0.0):
-        total += w * dot
+        total += float64(w) * float64(dot)
     return total
 
 
 @cuda.jit(device=True)
 def _heads_total(dots, w_s, n_ihead):
-    """score = Σ_h w_s[h]·dots[h] over the heads with a positive dot, in head order."""
-    total = float32(0.0)
+    """score = Σ_h w_s[h]·dots[h] over the heads with a positive dot, in head order (f64, rounded once)."""
+    total = float64(0.0)
     for h in range(n_ihead):
         total = _add_head(total, w_s[h], dots[h])
-    return total
+    return float32(total)
 
 
 @cuda.jit(device=True)
@@ -1449,10 +1448,10 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
     st_tok = lane % ISC_WARP_TOKENS              # staging: lane (quad half, token)
     st_t = wt0 + st_tok
     dots = cuda.local.array(ISC_TILE, float32)
-    totals = cuda.local.array(ISC_TILE, float32)
+    totals = cuda.local.array(ISC_TILE, float64)      # _add_head's f64 sums, rounded once
     w = cuda.local.array(ISC_SUB, float32)
     for k in range(ISC_TILE):
-        totals[k] = float32(0.0)
+        totals[k] = float64(0.0)
     for h in range(n_ihead):
         _warp_sync()                             # the warp's reads of the previous head are done
         src = st_t * row_len + h * idx_dim
@@ -1505,7 +1504,7 @@ def indexer_scores_rows(iq_all, head_w_all, weight_scale, icache, pos_buf, n_ihe
             for b in range(ISC_SUB):
                 c = first + ISC_SUB * rg + b
                 if c < n_rows:
-                    scores_all[t, c] = totals[ISC_SUB * a + b]
+                    scores_all[t, c] = float32(totals[ISC_SUB * a + b])
 
 
 @cuda.jit(device=True)
@@ -2404,17 +2403,6 @@ def combine_kernel(n_splits: int):
 # ---- router and FFN glue (§6.11) -----------------------------------------------------------------------
 
 @cuda.jit(device=True)
-def softplus_sqrt(z):
-    if z > 20.0:
-        sp = z
-    elif z < -20.0:
-        sp = math.exp(z)
-    else:
-        sp = math.log1p(math.exp(z))
-    return math.sqrt(sp)
-
-
-@cuda.jit(device=True)
 def warp_argmax(value, index):
     """(max value, its lowest index) over the 32 lanes of a warp; every lane gets it."""
     for offset in (16, 8, 4, 2, 1):
@@ -2484,7 +2472,7 @@ def route(logits_all, token_buf, w32, bias_off, has_bias, i32, hash_off, is_hash
     gate0, up0, down0 = base_offsets[0], base_offsets[1], base_offsets[2]     # before the first store
     gate_stride, up_stride, down_stride = base_offsets[3], base_offsets[4], base_offsets[5]
     for e in range(tid, n_exp, cuda.blockDim.x):
-        probs[e] = softplus_sqrt(logits[e])
+        probs[e] = router_prob(logits[e])
         keys[e] = probs[e] + (w32[bias_off + e] if has_bias else float32(0.0))
     cuda.syncthreads()
     if is_hash:

@@ -86,3 +86,18 @@ def hc_post_gate(mix, scale, base):
 def hc_normed(y, scale, w):
     """One value of the collapsed, RMS-normed sublayer input: y (f64) · scale (f32 RMS scale) · w."""
     return float32(y * float64(scale) * float64(w))
+
+
+# ---- router (ds4-model.md §6.11) ---------------------------------------------------------------------
+
+def router_prob(z):
+    """An expert's unbiased probability sqrt(softplus(z)) from its f32 logit: f64 inside (softplus
+    = z past 20, e^z below −20, else log1p(e^z)), one rounding."""
+    x = float64(z)
+    if x > 20.0:
+        sp = x
+    elif x < -20.0:
+        sp = math.exp(x)
+    else:
+        sp = math.log1p(math.exp(x))
+    return float32(math.sqrt(sp))

@@ -358,12 +358,16 @@ def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions, decode_tokens=N
         n = (pos + 1) // 4
         want = np.maximum(icache[:n].astype(np.float64) @ iq[t].reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w[t] * scale)
         close(f"indexer_scores [T={n_tok} t={t}]", got[t, :n], want, 1e-5)
+        twin = cpu_ops.indexer_scores(icache, n, iq[t].reshape(n_ihead, idx_dim), head_w[t] * np.float32(scale))
+        if not np.array_equal(got[t, :n], twin):
+            print(f"BAD indexer_scores [T={n_tok} t={t}] differs from the CPU twin: max|Δ| {np.max(np.abs(got[t, :n] - twin)):.3g}")
+            raise SystemExit(1)
         assert np.all(got[t, n:] == -7.0), "indexer_scores_rows wrote rows that were not emitted"
     for k, t in enumerate(dec):
         assert np.all(got_head[k, (positions[t] + 1) // 4:] == -7.0), "indexer_scores wrote rows that were not emitted"
     same = np.array_equal(got[dec].view(np.uint32), got_head.view(np.uint32))
-    print(f"{'ok ' if same else 'BAD'} indexer_scores (decode) == indexer_scores_rows (prefill) bit for bit "
-          f"({n_ihead} heads x {idx_dim})")
+    print(f"{'ok ' if same else 'BAD'} indexer_scores (decode) == indexer_scores_rows (prefill) == the CPU twin "
+          f"bit for bit ({n_ihead} heads x {idx_dim})")
     if not same:
         raise SystemExit(1)
 
@@ -387,6 +391,11 @@ def check_route():
             print("BAD route ids", t, got_ids[t], want_ids)
             raise SystemExit(1)
         close(f"route weights [T={n_tok} t={t}]", got_w[t], want_w, 1e-6)
+        twin_ids = cpu_ops.router_topk(logits[t], bias, n_used)
+        twin_w = cpu_ops.router_weights(logits[t], twin_ids, 1.5, True)
+        if not (np.array_equal(got_ids[t], twin_ids) and np.array_equal(got_w[t], twin_w)):
+            print("BAD route: not the CPU twin's ids and weight bits", t, got_w[t] - twin_w)
+            raise SystemExit(1)
         assert np.array_equal(o[t, :, 0], 1000 + 10 * want_ids) and np.array_equal(o[t, :, 2], 9000 + 20 * want_ids)
     # hash routing: token t's ids are tid2eid[token_buf[t]]
     table = rng.integers(0, n_exp, (5, n_used)).astype(np.int32)
@@ -397,6 +406,22 @@ def check_route():
         print("BAD hash route ids", ids.copy_to_host(), table[toks])
         raise SystemExit(1)
     print(f"ok  route ids and expert offsets, bias and hash routing [T={n_tok}]")
+
+
+def compressor_twin(kv, sc, ape, norm, ratio, dim, n_rot, freqs, indexer_lane):
+    """The CPU engine's compressor (forward_cpu's _compress) over every position of kv / sc."""
+    coff = 2 if ratio == 4 else 1
+    kv_state = np.zeros((coff * ratio, coff * dim), np.float32)
+    score_state = np.full((coff * ratio, coff * dim), cpu_ops.NEG_INF, np.float32)
+    rows = []
+    for pos in range(len(kv)):
+        cpu_ops.compressor_store(kv_state, score_state, kv[pos], sc[pos], ape[pos % ratio], ratio, pos)
+        if (pos + 1) % ratio == 0:
+            pooled = cpu_ops.compressor_pool(kv_state, score_state, ratio, dim)
+            rows.append(cpu_ops.compressed_row(pooled, norm, 1e-6, pos + 1 - ratio, freqs, indexer_lane, dim - n_rot))
+            if ratio == 4:
+                cpu_ops.compressor_shift(kv_state, score_state)
+    return np.array(rows)
 
 
 def check_compressor():
@@ -456,6 +481,13 @@ def check_compressor():
         got = cache.copy_to_host()[:len(want_rows)]
         close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows, {chunk} tokens per launch)", got,
               np.array(want_rows), 2e-3)
+        twin = compressor_twin(xs, (gate_diag * xs).astype(np.float32), ape.astype(np.float32), norm, ratio, dim,
+                               n_rot, freqs, lane == "index")
+        same = np.array_equal(got, twin)
+        print(f"{'ok ' if same else 'BAD'} compressor ratio {ratio} {lane}, {chunk} tokens per launch: the CPU "
+              f"twin's rows bit for bit: {same}" + ("" if same else f" (max|Δ| {np.max(np.abs(got - twin)):.3g})"))
+        if not same:
+            raise SystemExit(1)
         if chunk > 1:
             for name, a, b in (("rows", cache, c_cache), ("kv state", kv_state, c_kv), ("score state", score_state, c_sc)):
                 if not np.array_equal(a.copy_to_host(), b.copy_to_host()):
