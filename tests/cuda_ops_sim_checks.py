@@ -335,14 +335,22 @@ def check_indexer_scores(slow):
         check_indexer_scores_shape(64, 128, 12, [41, 3])      # 10, 0 rows
 
 
+def fp4_values(shape):
+    """Random FP4 (e2m1) values with signs, scaled by 2^-2 .. 2^2."""
+    return (cpu_ops.FP4_GRID[rng.integers(0, 8, shape)] * rng.choice([-1.0, 1.0], shape)
+            * np.exp2(rng.integers(-2, 3, shape))).astype(np.float32)
+
+
 def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions, decode_tokens=None):
     """decode_tokens: the tokens the decode form runs for (all by default; a few of a long chunk,
     whose every token would take the simulator minutes)."""
     positions = np.array(positions, np.int32)         # rows past (pos + 1) // 4 stay untouched
     n_tok = len(positions)
-    iq = rng.normal(0, 1, (n_tok, n_ihead * idx_dim)).astype(np.float32)
+    # FP4 values (the FP4 grid times powers of two), as indexer_q and the indexer compressor leave
+    # queries and rows: their dots are exact in f32, so NVVM's fused multiply-adds change no bit
+    iq = fp4_values((n_tok, n_ihead * idx_dim))
     head_w = rng.normal(0, 1, (n_tok, n_ihead)).astype(np.float32)
-    icache = rng.normal(0, 1, (cap, idx_dim)).astype(np.float32)
+    icache = fp4_values((cap, idx_dim))
     scale = 1 / math.sqrt(idx_dim * n_ihead)
     args = (cuda.to_device(iq), cuda.to_device(head_w), scale, cuda.to_device(icache),
             cuda.to_device(positions), n_ihead, idx_dim)
