@@ -41,14 +41,7 @@ def _decode_all(engine, tokens, positions):
 
 
 def _agree(got, want):
-    """(max|Δ|/std, rms|Δ|/std, correlation, same top-1, same top-5).
-
-    Two f32 implementations of ds4's numerics differ by Q8 rounding-tie flips: on the tiny model,
-    scaling the float64 reference's activations by (1 + 2^-22) before their Q8_0 quantization
-    alone moves its logits by max|Δ| ≈ 0.12·std (correlation 0.9997), and the CPU engine run
-    independently of the reference differs in its top-5 at every checked position. So the
-    whole-model check is top-1, correlation and rms (top-5 is reported); the tight checks are
-    stage-wise (cuda_ops_sim_checks.py)."""
+    """(max|Δ|/std, rms|Δ|/std, correlation, same top-1, same top-5)."""
     std = float(np.std(want))
     diff = got - want
     top_got = np.argsort(-got, kind="stable")[:5]
@@ -57,19 +50,23 @@ def _agree(got, want):
             float(np.corrcoef(got, want)[0, 1]), top_got[0] == top_want[0], list(top_got) == list(top_want))
 
 
-def _close(got, want):
-    """Per position: correlation >= 0.99 and rms <= 12 % of the std. The bar is the spread of
-    two independent f32 implementations measured on this model: the CPU engine against the
-    float64 reference (same tokens) had correlation 0.9997-0.9999 at most positions but 0.9946
-    (rms 10 % of std, top-1 differs) at position 34, where tie flips change which rows the indexer
-    picks. Since the synthetic branch outputs have GPT-2's residual init (session 26, synth.py) the
-    spread is smaller: CPU engine vs reference 0.99981-0.99995 (max|Δ|/std 0.044-0.092), GPU vs
-    CPU engine 0.99981-0.99995 up to position 100, 0.99776 (rms 6.7 %) at 127 and 0.99879 at 135
-    (H200), the first ratio-128 rows. A wrong kernel, offset or position gives correlations far
-    below (the simulator run of a mis-sized compressor buffer gave NaN; a stale KV row gives < 0.9).
-    The test also asks for a median correlation >= 0.999 over the positions."""
+def _close(got, want, exact_numerics=False):
+    """exact_numerics (the GPU against the CPU engine), the issue's bar: per position the same
+    top-5 and max|Δ| <= 1e-2 x the logit std. The two engines share their numerics to the bit:
+    the quantized matvecs add in the same order (kernels/orders.py), everything else is f64
+    inside and rounded once (kernels/numerics.py), so the logits are equal (max|Δ| = 0 at every
+    position, H100, session 33). The margin is for the rare value whose f64 sums, added in
+    another order, straddle an f32 rounding (~2^-28 per value). Two f32 engines that differ in
+    their last bits were 0.047-0.091 std apart here (H200, session 26): their Q8 rounding ties and
+    top-k choices flip.
+
+    Otherwise (GPU prefill against GPU decode: the tensor-core attention keeps f32 sums in its own
+    order, so last bits differ and flip ties), correlation >= 0.99 and rms <= 12 % of the std: the
+    spread of two f32 implementations on this model (0.9946 and rms 10 % at worst, where flipped
+    ties change the indexer's rows). A wrong kernel, offset or position gives correlations far
+    below (a stale KV row < 0.9)."""
     max_rel, rms_rel, corr, same_top1, same_top5 = _agree(got, want)
-    ok = corr >= 0.99 and rms_rel <= 0.12
+    ok = (same_top5 and max_rel <= 1e-2) if exact_numerics else (corr >= 0.99 and rms_rel <= 0.12)
     return ok, corr, same_top1, (f"max|Δ|/std {max_rel:.2e}, rms|Δ|/std {rms_rel:.2e}, corr {corr:.6f}, "
                                  f"top-1 {'same' if same_top1 else 'differs'}, "
                                  f"top-5 {'same' if same_top5 else 'differs'}")
@@ -98,18 +95,12 @@ def test_gpu_logits_match_cpu_engine(model, cpu_logits):
     tokens, want = cpu_logits
     engine, source = _engine(model, "device")
     got = _decode_all(engine, tokens, CHECK_POSITIONS)
-    report, top1, corrs = [], 0, []
+    report = []
     for pos in CHECK_POSITIONS:
-        ok, corr, same_top1, line = _close(got[pos], want[pos])
+        ok, _, _, line = _close(got[pos], want[pos], exact_numerics=True)
         report.append(f"pos {pos}: {line}")
-        top1 += same_top1
-        corrs.append(corr)
         assert ok, "\n".join(report)
     print("\n".join(report))
-    assert np.median(corrs) >= 0.999, "\n".join(report)
-    # The independent CPU engine vs the float64 reference agrees on top-1 at 4 of 6 positions:
-    # near-tied top logits may swap, but most positions must agree.
-    assert top1 >= 2 * len(CHECK_POSITIONS) // 3, "\n".join(report)
     source.close()
 
 
