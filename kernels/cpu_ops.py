@@ -212,6 +212,17 @@ def hc_mix_rows(X, fn, eps):
 
 
 @jit
+def _normalize_rows(m, eps):
+    """Each row of m divided by its sum (in index order) + eps, in place: a Sinkhorn pass."""
+    for i in range(m.shape[0]):
+        total = 0.0
+        for j in range(m.shape[1]):
+            total += m[i, j]
+        for j in range(m.shape[1]):
+            m[i, j] = m[i, j] / (total + eps)
+
+
+@jit
 def hc_gates_rows(mix, scale, base, n_hc, n_iter, eps):
     """mix [n, (2+n_hc)·n_hc] -> pre [n, n_hc], post [n, n_hc], comb [n, n_hc, n_hc] (comb[i, j]).
     The Sinkhorn matrix in f64 (the GPU's sinkhorn_comb: the same sums in the same order), rounded
@@ -238,18 +249,8 @@ def hc_gates_rows(mix, scale, base, n_hc, n_iter, eps):
                 c[i, j] = math.exp(c[i, j] - row_max) / total + eps64
         for it in range(n_iter):
             if it > 0:
-                for i in range(n_hc):
-                    total = 0.0
-                    for j in range(n_hc):
-                        total += c[i, j]
-                    for j in range(n_hc):
-                        c[i, j] = c[i, j] / (total + eps64)
-            for j in range(n_hc):
-                total = 0.0
-                for i in range(n_hc):
-                    total += c[i, j]
-                for i in range(n_hc):
-                    c[i, j] = c[i, j] / (total + eps64)
+                _normalize_rows(c, eps64)
+            _normalize_rows(c.T, eps64)           # the columns
         for i in range(n_hc):
             for j in range(n_hc):
                 comb[t, i, j] = np.float32(c[i, j])
