@@ -1,4 +1,4 @@
-"""Prefill attention on the H200: attention_partial (one split, f32 FMA) against attention_prefill_mma
+"""Prefill attention on the H200: attention_partial (one split, f64 sums) against attention_prefill_mma
 (tensor cores; also its variant without the staging prefetch), a 512-token chunk from position 2048 (flash shape: 64 heads x 512 dims, window 128 +
 512 selected compressed rows = 640 visible rows per token). CUDA events, median of --reps launches.
 
@@ -33,9 +33,9 @@ def main():
     args += [inp["n_swa"], inp["ratio"], inp["use_selected"]]
     outs = {}
     for name in ("attention_partial", "attention_prefill_mma", "attention_prefill_mma_no_prefetch"):
-        pm = cuda.device_array((T, n_head, 1), np.float32)
-        pd = cuda.device_array((T, n_head, 1), np.float32)
-        pa = cuda.device_array((T, n_head, 1, head_dim), np.float32)
+        pm = cuda.device_array((T, n_head, 1), np.float64)      # the engine's f64 partials
+        pd = cuda.device_array((T, n_head, 1), np.float64)
+        pa = cuda.device_array((T, n_head, 1, head_dim), np.float64)
         if name == "attention_partial":
             def launch():
                 ops.attention_partial[((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, 1, T), ops.ATTN_THREADS](
