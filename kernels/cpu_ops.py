@@ -194,16 +194,17 @@ _hc_post_gate = jit(numerics.hc_post_gate)
 _hc_normed = jit(numerics.hc_normed)
 
 
-@jit
+@pjit
 def hc_mix_rows(X, fn, eps):
     """The mixer values of X [n, n_hc, n_embd] with fn [rows, n_hc·n_embd] (f32 copies of the f16
-    weights): (Σ fn·x in f64)·rs with rs the flat state's RMS scale, one rounding (numerics)."""
+    weights): (Σ fn·x in f64)·rs with rs the flat state's RMS scale, one rounding (numerics). The
+    rows in parallel, each one's sum in index order."""
     n = X.shape[0]
     flat = X.reshape(n, X.shape[1] * X.shape[2])
     mix = np.empty((n, fn.shape[0]), dtype=np.float32)
     for t in range(n):
         rs = rms_scale(flat[t], eps)
-        for r in range(fn.shape[0]):
+        for r in prange(fn.shape[0]):
             dot = 0.0
             for i in range(flat.shape[1]):
                 dot += np.float64(fn[r, i]) * np.float64(flat[t, i])
