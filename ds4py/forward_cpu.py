@@ -75,7 +75,8 @@ class Weights:
         return mat
 
     def vec(self, name: str) -> np.ndarray:
-        """A small tensor (norm, HC scale/base, sinks, bias, ape) as contiguous f32."""
+        """A small tensor (norm, HC scale/base, sinks, bias, ape) or an HC mixer matrix (hc_*_fn:
+        cpu_ops.hc_mix_rows sums it in f64; 1.5 MB a site at ds4's shapes) as contiguous f32."""
         v = self._small.get(name)
         if v is None:
             v = np.ascontiguousarray(self.source.host(name), dtype=np.float32)

@@ -1954,8 +1954,8 @@ def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, po
                       use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
     """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
     whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
-    Σexp·row (f64: scores, softmax and sums in f64, rounded once in attention_combine). A block whose range is empty (short context) writes neutral partials (max
-    NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
+    Σexp·row (scores, softmax and sums in f64, rounded once in attention_combine). A block whose
+    range is empty (short context) writes neutral partials (max NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
     T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
     n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
     pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""

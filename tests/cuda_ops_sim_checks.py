@@ -30,6 +30,15 @@ def close(name, got, want, tol):
         raise SystemExit(1)
 
 
+def equals_twin(name, got, want):
+    """got (a kernel's output) equal to want (its CPU twin's, kernels/cpu_ops.py), element for element."""
+    same = np.array_equal(got, want)
+    print(f"{'ok ' if same else 'BAD'} {name}: the CPU twin's bits: {same}"
+          + ("" if same else f" (max|Δ| {np.max(np.abs(np.asarray(got, np.float64) - want)):.3g})"))
+    if not same:
+        raise SystemExit(f"{name} differs from the CPU twin")
+
+
 def check_hc(n_tok):
     """Mixer partials, hc_pre (post gates, Sinkhorn, collapse + norm + Q8_0), hc_post for n_tok
     tokens at once ([T, ...] buffers, token = blockIdx.y/z), each against the reference."""
@@ -113,11 +122,7 @@ def check_hc(n_tok):
                                                                       np.float32(1e-6)), states, norm, 1e-6)
     for name, got, want in (("post gates", post_h, cpu_post), ("Sinkhorn", comb_h, cpu_comb.reshape(n_tok, -1)),
                             ("x", x_h, cpu_x), ("head x", head_x.copy_to_host(), cpu_head)):
-        same = np.array_equal(got, want)
-        print(("ok " if same else "BAD") + f" hc {name} [T={n_tok}]: bitwise equal to the CPU twin: {same}"
-              + ("" if same else f" (max|Δ| {np.max(np.abs(got - want)):.3g})"))
-        if not same:
-            raise SystemExit(f"hc {name} differs from the CPU twin")
+        equals_twin(f"hc {name} [T={n_tok}]", got, want)
     for t in range(n_tok):
         tag = f" [T={n_tok} t={t}]"
         state = states[t]
@@ -244,11 +249,7 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
         twin = cpu_ops.sink_attention(q[t].reshape(n_head, head_dim), raw, (pos + 1 - n_raw) % cap, n_raw, comp,
                                       np.asarray(comp_rows, np.int64), sinks, np.float32(1.0 / math.sqrt(head_dim)))
         cpu_ops.rope_tail_inplace(twin, pos, freqs, True)
-        same = np.array_equal(got[t], twin.reshape(-1))
-        print(f"{'ok ' if same else 'BAD'} sink attention, {name} (T={n_tok} t={t}): the CPU twin's bits: {same}"
-              + ("" if same else f" (max|Δ| {np.max(np.abs(got[t] - twin.reshape(-1))):.3g})"))
-        if not same:
-            raise SystemExit(1)
+        equals_twin(f"sink attention, {name} (T={n_tok} t={t})", got[t], twin.reshape(-1))
 
 
 def check_attention():
@@ -366,10 +367,8 @@ def check_indexer_scores_shape(n_ihead, idx_dim, cap, positions, decode_tokens=N
         n = (pos + 1) // 4
         want = np.maximum(icache[:n].astype(np.float64) @ iq[t].reshape(n_ihead, idx_dim).T.astype(np.float64), 0) @ (head_w[t] * scale)
         close(f"indexer_scores [T={n_tok} t={t}]", got[t, :n], want, 1e-5)
-        twin = cpu_ops.indexer_scores(icache, n, iq[t].reshape(n_ihead, idx_dim), head_w[t] * np.float32(scale))
-        if not np.array_equal(got[t, :n], twin):
-            print(f"BAD indexer_scores [T={n_tok} t={t}] differs from the CPU twin: max|Δ| {np.max(np.abs(got[t, :n] - twin)):.3g}")
-            raise SystemExit(1)
+        equals_twin(f"indexer_scores [T={n_tok} t={t}]", got[t, :n],
+                    cpu_ops.indexer_scores(icache, n, iq[t].reshape(n_ihead, idx_dim), head_w[t] * np.float32(scale)))
         assert np.all(got[t, n:] == -7.0), "indexer_scores_rows wrote rows that were not emitted"
     for k, t in enumerate(dec):
         assert np.all(got_head[k, (positions[t] + 1) // 4:] == -7.0), "indexer_scores wrote rows that were not emitted"
@@ -400,10 +399,8 @@ def check_route():
             raise SystemExit(1)
         close(f"route weights [T={n_tok} t={t}]", got_w[t], want_w, 1e-6)
         twin_ids = cpu_ops.router_topk(logits[t], bias, n_used)
-        twin_w = cpu_ops.router_weights(logits[t], twin_ids, 1.5, True)
-        if not (np.array_equal(got_ids[t], twin_ids) and np.array_equal(got_w[t], twin_w)):
-            print("BAD route: not the CPU twin's ids and weight bits", t, got_w[t] - twin_w)
-            raise SystemExit(1)
+        equals_twin(f"route ids [T={n_tok} t={t}]", got_ids[t], twin_ids)
+        equals_twin(f"route weights [T={n_tok} t={t}]", got_w[t], cpu_ops.router_weights(logits[t], twin_ids, 1.5, True))
         assert np.array_equal(o[t, :, 0], 1000 + 10 * want_ids) and np.array_equal(o[t, :, 2], 9000 + 20 * want_ids)
     # hash routing: token t's ids are tid2eid[token_buf[t]]
     table = rng.integers(0, n_exp, (5, n_used)).astype(np.int32)
@@ -489,13 +486,9 @@ def check_compressor():
         got = cache.copy_to_host()[:len(want_rows)]
         close(f"compressor ratio {ratio} {lane} ({len(want_rows)} rows, {chunk} tokens per launch)", got,
               np.array(want_rows), 2e-3)
-        twin = compressor_twin(xs, (gate_diag * xs).astype(np.float32), ape.astype(np.float32), norm, ratio, dim,
-                               n_rot, freqs, lane == "index")
-        same = np.array_equal(got, twin)
-        print(f"{'ok ' if same else 'BAD'} compressor ratio {ratio} {lane}, {chunk} tokens per launch: the CPU "
-              f"twin's rows bit for bit: {same}" + ("" if same else f" (max|Δ| {np.max(np.abs(got - twin)):.3g})"))
-        if not same:
-            raise SystemExit(1)
+        equals_twin(f"compressor ratio {ratio} {lane} rows, {chunk} tokens per launch", got,
+                    compressor_twin(xs, (gate_diag * xs).astype(np.float32), ape.astype(np.float32), norm, ratio,
+                                    dim, n_rot, freqs, lane == "index"))
         if chunk > 1:
             for name, a, b in (("rows", cache, c_cache), ("kv state", kv_state, c_kv), ("score state", score_state, c_sc)):
                 if not np.array_equal(a.copy_to_host(), b.copy_to_host()):
