@@ -813,18 +813,22 @@ def bench_tune_gu(timer, copy_bw, rng, log, moe):
 
 
 def bench_tune_halves(timer, copy_bw, rng, log, moe):
-    """moe_gate_up_halves (_GU_HALVES: a lane per half super-block) against moe_gate_up_decode,
-    with other rows and warps per block and its tables filled after pdl_enter.
-    Same bits checked against the first variant (the shipped moe_gate_up_decode); the first two
-    variants come again at the end (drift between the first and last minutes)."""
-    names = ("_GU_HALVES", "_RPB_GATE_UP", "_NW_GATE_UP", "_PRE_GATE_UP")
-    # ptxas sm_90: 72 registers (4 blocks of 6 warps per SM)
-    variants = [(False, 4, 6, True), (True, 4, 6, True), (True, 8, 8, True), (True, 4, 4, True),
-                (True, 4, 6, False), (False, 4, 6, True), (True, 4, 6, True)]
+    """moe_gate_up_halves (the shipped gate/up decode) with its three latency switches (the slots'
+    offsets in shared memory, the block's rows prefetched into L2, the SwiGLU of 32 units at
+    once), register caps and block shapes. Same bits checked against the first variant; the first
+    comes again at the end (drift between the first and last minutes)."""
+    names = ("_GU_SOFF", "_GU_L2", "_GU_DEFER", "_GU_REGS", "_RPB_GATE_UP", "_NW_GATE_UP")
+    # ptxas sm_90: 72 registers plain, with soff, with l2 and with both; 80 with defer alone, 86
+    # with all three (3 blocks of 6 warps per SM: 396 resident of the 512 blocks), 95 at a cap of 96
+    variants = [(False, False, False, 0, 4, 6), (True, False, False, 0, 4, 6), (False, True, False, 0, 4, 6),
+                (False, False, True, 0, 4, 6), (True, True, False, 0, 4, 6), (True, True, True, 80, 4, 6),
+                (True, True, True, 0, 4, 6), (True, True, True, 96, 6, 6), (True, True, True, 96, 4, 4),
+                (False, False, False, 0, 4, 6)]
 
     def describe(k):
-        return (f"{'halves' if k['_GU_HALVES'] else 'decode'} rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']} pre {int(k['_PRE_GATE_UP'])}")
+        on = [n for n, key in (("soff", "_GU_SOFF"), ("l2", "_GU_L2"), ("defer", "_GU_DEFER")) if k[key]]
+        return (f"halves {'+'.join(on) or 'plain'} regs {k['_GU_REGS'] or '-'} "
+                f"rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -37,7 +37,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l2, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2287,7 +2287,23 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True):
+def _gate_up_halves_switches(n_used):
+    """(SOFF, L2, DEFER, REGS) of moe_gate_up_halves for a launch of n_used slots."""
+    return (_GU_SOFF and n_used <= _GU_SLOTS_MAX), _GU_L2, _GU_DEFER, _GU_REGS
+
+
+_GU_SOFF = False   # moe_gate_up_halves reads the slots' gate/up offsets from shared memory (copied
+                   # once per block) instead of from global memory before every unit's row loads
+_GU_L2 = False     # moe_gate_up_halves asks for all of its block's rows in L2 at its start
+                   # (cp.async.bulk.prefetch.L2: 2 x n_used instructions per block)
+_GU_DEFER = False  # moe_gate_up_halves keeps each unit's gate and up in lane (unit index mod 32)
+                   # and computes the f64 SwiGLU of 32 units at once, not one lane per unit
+_GU_SLOTS_MAX = 16  # the most slots _GU_SOFF copies
+_GU_REGS = 0       # moe_gate_up_halves' register cap (0: none; 72 uncapped, 80 with DEFER; ptxas
+                   # sinks the up row's loads below the gate row's work unless it may use ~94)
+
+
+def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False, REGS=0):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2303,6 +2319,16 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
     registers) it was 23.9 us, with each unit's rows copied to shared memory by cp.async two units
     ahead (coalesced 16-byte pieces, 128 registers) 21.1-24.3, against 21.3: neither the load
     latency nor the L1 traffic of the weight loads is what bounds it.
+
+    The SASS (ptxas sm_90) runs a unit as a chain of dependent global round trips: the gate row's
+    offset (slot_off, 8 bytes from L2), its words, then the up row's offset and words only after
+    the gate row's sums (ptxas sinks the second row's loads below the first row's work), the f16 d
+    of each in the middle; and one lane's f64 SwiGLU (~120 instructions, a chain of ~25 DFMA)
+    that the whole warp issues per unit. Three switches against that, each the same bits:
+    SOFF (_GU_SOFF) copies the slots' offsets to shared memory once per block; L2 (_GU_L2) asks
+    for the block's rows in L2 at its start (the loads then wait for L2, not DRAM); DEFER
+    (_GU_DEFER) hands each unit's two sums to lane (unit mod 32) and runs the SwiGLU of up to 32
+    units in one pass.
 
     The same bits as moe_gate_up_decode: the block's integer sum is exact in any order, and the f32
     order is kept. There, lane group q (lane >> 3) adds the terms (d_w d_x) * isum of super-blocks
@@ -2330,6 +2356,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
+    SOFF_N = 2 * _GU_SLOTS_MAX          # SOFF: the slots' gate and up offsets
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2345,7 +2372,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_jit_capped(0)
+    @_jit_capped(REGS)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2358,6 +2385,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
+        if L2 and cuda.threadIdx.x < 2 * n_used:        # thread 2k + m: the block's rows of slot k, matrix m
+            r0 = cuda.blockIdx.x * rpb
+            first = slot_off[(cuda.threadIdx.x >> 1) * 3 + (cuda.threadIdx.x & 1)] + r0 * rb
+            start = (first + 15) & ~15                  # the 16-byte aligned inside of the range
+            end = (first + min(rpb, n_ff - r0) * rb) & ~15
+            if end > start:
+                prefetch_l2(a32, start, uint32(end - start))
+        if SOFF:
+            soff_s = cuda.shared.array(SOFF_N, int64)
+        else:
+            soff_s = slot_off                           # not read (a shared array would stay allocated)
+        if SOFF:
+            for i in range(cuda.threadIdx.x, 2 * n_used, cuda.blockDim.x):
+                soff_s[i] = slot_off[(i >> 1) * 3 + (i & 1)]
         if cuda.threadIdx.x == 0:
             ks_s[KC] = uint32(4)
             for l in range(1, 4):
@@ -2398,9 +2439,14 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
         terms = cuda.local.array(2, float32)
         nwarps = cuda.blockDim.x >> 5
         n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
+        kept_g = float32(0.0)                           # DEFER: this lane's unit (n_kept == lane)
+        kept_u = float32(0.0)
+        kept_r = r
+        kept_k = k
+        n_kept = 0
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
             for m in range(2):                          # gate row, up row: all loads first
-                roffs[m] = slot_off[k * 3 + m] + r * rb
+                roffs[m] = (soff_s[2 * k + m] if SOFF else slot_off[k * 3 + m]) + r * rb
                 load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
@@ -2434,9 +2480,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True):
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
                 res[m] = float32(0.125) * acc
-            if lane == LOUT:
+            if DEFER:
+                gate = cuda.shfl_sync(FULL_MASK, res[0], LOUT)
+                up = cuda.shfl_sync(FULL_MASK, res[1], LOUT)
+                if lane == n_kept:
+                    kept_g, kept_u, kept_r, kept_k = gate, up, r, k
+                n_kept += 1
+                if n_kept == 32:                        # warp-uniform
+                    mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
+                    n_kept = 0
+            elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
             r, k = _next_unit(r, k, nwarps, n_used)
+        if DEFER and lane < n_kept:
+            mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
 
     return moe_gate_up_halves
 
@@ -3864,7 +3921,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre)
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *_gate_up_halves_switches(n_used))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

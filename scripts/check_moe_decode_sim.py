@@ -16,7 +16,8 @@ sum order: bit for bit, with the simulator's fma made a true fused multiply-add 
 Their only f32 arithmetic is written out (no multiply-add for NVVM to fuse on its own:
 check_cuda_compile.py --parity), so the simulated bits are the GPU's.
 
-The simulator has no warp shuffles: shfl_xor_sync is a rendezvous of the warp's 32 threads. The
+The simulator has no warp shuffles: shfl_xor_sync and shfl_sync are rendezvous of the warp's 32
+threads. The
 activations are quantized by the CPU twin (kernels/cpu.py, the same bits as quantize_q8_k).
 Slow (Python threads): small shapes.
 
@@ -39,7 +40,9 @@ _lock = threading.Lock()
 _warps = {}
 
 
-def _shfl_xor_sync(self, mask, value, lane_mask):
+def _exchange(value, source_of):
+    """The value of lane source_of(lane) in the calling thread's warp (a rendezvous of its 32
+    threads)."""
     t = threading.current_thread()
     b = t.blockIdx
     key = (b.x, b.y, b.z, t.thread_id // 32)
@@ -51,12 +54,21 @@ def _shfl_xor_sync(self, mask, value, lane_mask):
     lane = t.thread_id % 32
     vals[lane] = value
     bar.wait()
-    v = vals[lane ^ int(lane_mask)]
+    v = vals[source_of(lane)]
     bar.wait()
     return v
 
 
+def _shfl_xor_sync(self, mask, value, lane_mask):
+    return _exchange(value, lambda lane: lane ^ int(lane_mask))
+
+
+def _shfl_sync(self, mask, value, src_lane):
+    return _exchange(value, lambda lane: int(src_lane) % 32)
+
+
 kernelapi.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+kernelapi.FakeCUDAModule.shfl_sync = _shfl_sync
 
 
 def _views(arena):
@@ -317,7 +329,21 @@ def halves_checks():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False)
+        if n_embd in (768, 4096):      # the latency switches: the same bits
+            _knobs(_GU_SOFF=True, _GU_L2=True, _GU_DEFER=True)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves, offsets shared, L2, deferred SwiGLU: K {n_embd}",
+                  flush=True)
+            _knobs(_GU_SOFF=False, _GU_L2=False, _GU_DEFER=False)
+    # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
+    _knobs(_GU_HALVES=True, _RPB_GATE_UP=40, _NW_GATE_UP=1)
+    ref = gate_up(256, 41, 2, 9)
+    _knobs(_GU_DEFER=True, _GU_SOFF=True)
+    ok = all(np.array_equal(a, b) for a, b in zip(gate_up(256, 41, 2, 9), ref))
+    bad += not ok
+    print(f"{'ok ' if ok else 'BAD'} gate/up halves, deferred SwiGLU over 80 units a warp", flush=True)
+    _knobs(_GU_HALVES=False, _GU_DEFER=False, _GU_SOFF=False)
     return bad
 
 

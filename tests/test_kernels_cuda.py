@@ -430,6 +430,31 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
+# (offsets in shared memory, rows prefetched into L2, deferred SwiGLU, register cap, rows per block)
+_HALVES_SWITCHES = [(True, False, False, 0, 4), (False, True, False, 0, 4), (False, False, True, 0, 4),
+                    (True, True, False, 0, 4), (True, True, True, 80, 4), (True, True, True, 96, 6)]
+
+
+@pytest.mark.parametrize("soff,l2,defer,regs,rpb", _HALVES_SWITCHES,
+                         ids=[f"soff{int(v[0])}-l2{int(v[1])}-defer{int(v[2])}-regs{v[3]}-rpb{v[4]}"
+                              for v in _HALVES_SWITCHES])
+def test_moe_gate_up_halves_switches_same_bits(experts, moe_knobs, soff, l2, defer, regs, rpb):
+    """moe_gate_up_halves with its latency switches (_GU_SOFF, _GU_L2, _GU_DEFER) and register
+    caps: the same loads, integers and f32 order, so the same mid and MoE output bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _GU_SOFF=soff, _GU_L2=l2,
+                                      _GU_DEFER=defer, _GU_REGS=regs, _RPB_GATE_UP=rpb, _NW_GATE_UP=6)
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_moe_gate_up_halves_deferred_flushes(moe_knobs, extra):
+    """The deferred SwiGLU over more than 32 units a warp (one warp per block, 40 rows of 2 slots:
+    two full passes, then 16), on rows 2 bytes off a word too, against the first gate/up kernel."""
+    moe_knobs(**_FIRST_MOE_DECODE)
+    ref = _gate_up_mid(1280, 80, 2, 31, extra)
+    moe_knobs(_GU_HALVES=True, _GU_SOFF=True, _GU_L2=True, _GU_DEFER=True, _RPB_GATE_UP=40, _NW_GATE_UP=1)
+    assert np.array_equal(_gate_up_mid(1280, 80, 2, 31, extra), ref)
+
+
 @pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
 def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
