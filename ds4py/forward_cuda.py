@@ -85,6 +85,13 @@ def fill_device(array, value, stream) -> None:
     array.copy_to_device(host, stream=stream)
 
 
+def prefill_attention_mma(spec, n_tok: int, n_splits: int) -> bool:
+    """Whether a chunk of tokens takes attention_prefill_mma (the tensor cores; head_dim 512, one
+    row range per head) rather than attention_partial (decode, and the tiny shapes)."""
+    return (n_tok > 1 and n_splits == 1 and ops.ATTN_PREFILL_MMA and spec.head_dim == ops.ATTN_MMA_DIM
+            and spec.n_head % ops.ATTN_MMA_HEADS == 0)
+
+
 class Scratch:
     """Every activation buffer of up to n_tok tokens, allocated once (graphs bake addresses in).
 
@@ -101,6 +108,7 @@ class Scratch:
         q_dim = s.n_head * s.head_dim
         self.hc_chunk = ops.hc_chunk(s.n_embd)
         n_chunks = s.n_hc * s.n_embd // self.hc_chunk
+        part_t = np.float32 if prefill_attention_mma(s, n_tok, n_splits) else np.float64
         assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         # [n_tok, ...] buffers
         self.tok = dict(
@@ -117,9 +125,11 @@ class Scratch:
             # zeroed: the attention of a layer without an indexer reads it (and ignores it); before the
             # first indexer ran, compute-sanitizer's initcheck flagged that read
             n_selected=cuda.to_device(np.zeros(P, i32)),
-            # f64: the attention's scores and sums, rounded once in attention_combine (cuda_ops)
-            part_max=d((P, s.n_head, n_splits), np.float64), part_den=d((P, s.n_head, n_splits), np.float64),
-            part_acc=d((P, s.n_head, n_splits, s.head_dim), np.float64),
+            # the attention's partials (scores and sums) for attention_combine: f64 from
+            # attention_partial (rounded once in the combine, cuda_ops), f32 where the tensor-core
+            # prefill kernel writes them (its sums are f32: the same values in half the bytes)
+            part_max=d((P, s.n_head, n_splits), part_t), part_den=d((P, s.n_head, n_splits), part_t),
+            part_acc=d((P, s.n_head, n_splits, s.head_dim), part_t),
             f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
             router=d((P, s.n_exp), f32), expert_ids=d((P, s.n_used), i32), route_w=d((P, s.n_used), f32),
             slot_offsets=d((P, s.n_used, 3), np.int64), moe_out=d((P, s.n_embd), f32),
@@ -488,9 +498,9 @@ class CudaEngine:
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
             groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
             n_splits = b.part_max.shape[2]
-            if (T > 1 and n_splits == 1 and ops.ATTN_PREFILL_MMA and s.head_dim == ops.ATTN_MMA_DIM
-                    and s.n_head % ops.ATTN_MMA_HEADS == 0):
-                # prefill: the tensor-core kernel, same partials (not the same bits)
+            # prefill: the tensor-core kernel, same partials (not the same bits); its scratch holds
+            # f32 partials, so a chunk of one token takes it too
+            if b.part_max.dtype == np.float32:
                 ops.attention_prefill_mma[(s.n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)

@@ -435,7 +435,8 @@ def sum_warps(slots, k):
     return total
 
 
-HC_TOKENS = 4                          # tokens per hc_mix_tokens block (each weight loaded once for all)
+HC_TOKENS = 2                          # tokens per hc_mix_tokens block (each weight loaded once for all;
+                                       # ptxas sm_90: 114 registers, 2 blocks per SM; 4 tokens: 180, one)
 HC_TOK_DOTS = HC_TOKENS * HC_MIX_MAX
 HC_TOK_SUMS = HC_TOKENS * HC_SUMS
 HC_TOK_VALS = HC_TOKENS * HC_MIX_VALS
@@ -1668,7 +1669,8 @@ def indexer_select(score_bits_all, pos_buf, top_k, selected_all, n_selected):
 ATTN_HEADS = 8           # heads per attention_partial block (one warp each in the softmax step)
 ATTN_THREADS = 256       # attention_partial's block: 32 lanes per head of the group
 ATTN_TILE = 32           # rows staged at once (one per lane in the softmax step)
-ATTN_SPLITS = 24         # row ranges per head group, in whole tiles: 20 busy at 640 rows
+ATTN_SPLITS = 16         # row ranges per head group, in whole tiles (<= 2 of the 20 at 640 rows): 8 groups
+                         # x 16 = 128 blocks, one wave at one block per SM (24 splits: two waves)
 ATTN_MAX_DIM = 512       # largest head_dim: 16 dims per lane when scoring, 4 per thread when summing
 ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
