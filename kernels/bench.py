@@ -813,38 +813,31 @@ def bench_tune_gu(timer, copy_bw, rng, log, moe):
 
 
 def bench_tune_halves(timer, copy_bw, rng, log, moe):
-    """moe_gate_up_halves (the shipped gate/up decode) with its three latency switches (the slots'
-    offsets in shared memory, the block's rows prefetched into L2, the SwiGLU of 32 units at
-    once), register caps and block shapes. Same bits checked against the first variant; the first
+    """moe_gate_up_halves (the shipped gate/up decode) with and without its deferred SwiGLU
+    (_GU_DEFER), and other block shapes. Same bits checked against the first variant; the first
     comes again at the end (drift between the first and last minutes)."""
-    names = ("_GU_SOFF", "_GU_L2", "_GU_DEFER", "_GU_REGS", "_RPB_GATE_UP", "_NW_GATE_UP")
-    # ptxas sm_90: 72 registers plain, with soff, with l2 and with both; 80 with defer alone, 86
-    # with all three (3 blocks of 6 warps per SM: 396 resident of the 512 blocks), 95 at a cap of 96
-    variants = [(False, False, False, 0, 4, 6), (True, False, False, 0, 4, 6), (False, True, False, 0, 4, 6),
-                (False, False, True, 0, 4, 6), (True, True, False, 0, 4, 6), (True, True, True, 80, 4, 6),
-                (True, True, True, 0, 4, 6), (True, True, True, 96, 6, 6), (True, True, True, 96, 4, 4),
-                (False, False, False, 0, 4, 6)]
+    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP")
+    # ptxas sm_90: 80 registers with the deferred SwiGLU (4 blocks of 6 warps per SM), 72 without
+    variants = [(True, 4, 6), (False, 4, 6), (True, 8, 8), (True, 4, 4), (True, 4, 6)]
 
     def describe(k):
-        on = [n for n, key in (("soff", "_GU_SOFF"), ("l2", "_GU_L2"), ("defer", "_GU_DEFER")) if k[key]]
-        return (f"halves {'+'.join(on) or 'plain'} regs {k['_GU_REGS'] or '-'} "
-                f"rows {k['_RPB_GATE_UP']} warps {k['_NW_GATE_UP']}")
+        return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
+                f"warps {k['_NW_GATE_UP']}")
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
 def bench_tune_down(timer, copy_bw, rng, log, moe):
-    """The Q2_K down decode: moe_down_decode_slots (the shipped one, R rows per block) against
-    moe_down_sb (_DOWN_SB rows per block: a lane per super-block, the weights through shared
+    """The Q2_K down decode: moe_down_decode_slots (R rows per block) against moe_down_sb (the
+    shipped one, _DOWN_SB rows per block: a lane per super-block, the weights through shared
     memory by cp.async; ptxas sm_90: 44 registers, ~300 SASS instructions per 4 rows and slot of
     8 super-blocks against ~1,000 for moe_down_decode_slots). Same bits checked against the first
     variant; the first two come again at the end (drift)."""
-    names = ("_DOWN_SB", "_R_DOWN_SLOTS", "_DOWN_SB_AHEAD")
-    variants = [(0, 8, 1), (8, 8, 1), (8, 8, 2), (12, 8, 2), (16, 8, 2), (0, 8, 1), (8, 8, 1), (8, 8, 2)]
+    names = ("_DOWN_SB", "_R_DOWN_SLOTS")
+    variants = [(0, 8), (8, 8), (12, 8), (16, 8), (0, 8), (8, 8)]
 
     def describe(k):
-        return (f"sb R {k['_DOWN_SB']} ahead {k['_DOWN_SB_AHEAD']}" if k["_DOWN_SB"]
-                else f"slots R {k['_R_DOWN_SLOTS']}")
+        return f"sb R {k['_DOWN_SB']}" if k["_DOWN_SB"] else f"slots R {k['_R_DOWN_SLOTS']}"
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

@@ -37,7 +37,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l2, shared_addr, shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2162,8 +2162,6 @@ _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many 
                      # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
                      # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
                      # 16: 11.0 before the activation was staged after the first copies)
-_DOWN_SB_AHEAD = 1   # moe_down_sb's weight groups in flight before its activation is staged (1 or 2;
-                     # session 31, not yet timed)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2287,24 +2285,13 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-def _gate_up_halves_switches(n_used):
-    """(SOFF, L2, DEFER, REGS) of moe_gate_up_halves for a launch of n_used slots."""
-    return (_GU_SOFF and n_used <= _GU_SLOTS_MAX), _GU_L2, _GU_DEFER, _GU_REGS
-
-
-_GU_SOFF = False   # moe_gate_up_halves reads the slots' gate/up offsets from shared memory (copied
-                   # once per block) instead of from global memory before every unit's row loads
-_GU_L2 = False     # moe_gate_up_halves asks for all of its block's rows in L2 at its start
-                   # (cp.async.bulk.prefetch.L2: 2 x n_used instructions per block)
 _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (unit index mod 32)
                    # and computes the f64 SwiGLU of 32 units at once, not one lane per unit (H100
-                   # kbench: 19.92 us against 20.40 with PDL edges; 80 registers, 4 blocks per SM)
-_GU_SLOTS_MAX = 16  # the most slots _GU_SOFF copies
-_GU_REGS = 0       # moe_gate_up_halves' register cap (0: none; 72 uncapped, 80 with DEFER; ptxas
-                   # sinks the up row's loads below the gate row's work unless it may use ~94)
+                   # kbench: 19.92 us against 20.40 with PDL edges; 80 registers, 4 blocks per SM;
+                   # in the engine the same step time, decode_ab 8.04-8.08 ms either way)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False, REGS=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2322,14 +2309,15 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False,
     latency nor the L1 traffic of the weight loads is what bounds it.
 
     The SASS (ptxas sm_90) runs a unit as a chain of dependent global round trips: the gate row's
-    offset (slot_off, 8 bytes from L2), its words, then the up row's offset and words only after
-    the gate row's sums (ptxas sinks the second row's loads below the first row's work), the f16 d
-    of each in the middle; and one lane's f64 SwiGLU (~120 instructions, a chain of ~25 DFMA)
-    that the whole warp issues per unit. Three switches against that, each the same bits:
-    SOFF (_GU_SOFF) copies the slots' offsets to shared memory once per block; L2 (_GU_L2) asks
-    for the block's rows in L2 at its start (the loads then wait for L2, not DRAM); DEFER
+    offset (slot_off, from L2), its words, then the up row's offset and words only after the gate
+    row's sums (ptxas sinks the second row's loads below the first row's work; it hoists them only
+    when allowed ~94 registers), the f16 d of each in the middle. Neither shortening that chain
+    (the slots' offsets copied to shared memory once per block: 20.62 us against 20.40) nor L2
+    hits for every load (the block's rows prefetched into L2 by cp.async.bulk.prefetch at its
+    start: 24.5) helped (H100 kbench, PDL edges, session 34). What did: one lane's f64 SwiGLU
+    (~120 instructions, a chain of ~25 DFMA) was issued by the whole warp per unit; DEFER
     (_GU_DEFER) hands each unit's two sums to lane (unit mod 32) and runs the SwiGLU of up to 32
-    units in one pass.
+    units in one pass (19.92 us).
 
     The same bits as moe_gate_up_decode: the block's integer sum is exact in any order, and the f32
     order is kept. There, lane group q (lane >> 3) adds the terms (d_w d_x) * isum of super-blocks
@@ -2357,7 +2345,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False,
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
-    SOFF_N = 2 * _GU_SLOTS_MAX          # SOFF: the slots' gate and up offsets
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2373,7 +2360,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False,
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_jit_capped(REGS)
+    @_jit_capped(0)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2386,20 +2373,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False,
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
-        if L2 and cuda.threadIdx.x < 2 * n_used:        # thread 2k + m: the block's rows of slot k, matrix m
-            r0 = cuda.blockIdx.x * rpb
-            first = slot_off[(cuda.threadIdx.x >> 1) * 3 + (cuda.threadIdx.x & 1)] + r0 * rb
-            start = (first + 15) & ~15                  # the 16-byte aligned inside of the range
-            end = (first + min(rpb, n_ff - r0) * rb) & ~15
-            if end > start:
-                prefetch_l2(a32, start, uint32(end - start))
-        if SOFF:
-            soff_s = cuda.shared.array(SOFF_N, int64)
-        else:
-            soff_s = slot_off                           # not read (a shared array would stay allocated)
-        if SOFF:
-            for i in range(cuda.threadIdx.x, 2 * n_used, cuda.blockDim.x):
-                soff_s[i] = slot_off[(i >> 1) * 3 + (i & 1)]
         if cuda.threadIdx.x == 0:
             ks_s[KC] = uint32(4)
             for l in range(1, 4):
@@ -2447,7 +2420,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, SOFF=False, L2=False, DEFER=False,
         n_kept = 0
         for unit in range(warp, n_units, nwarps):       # warp-uniform loop
             for m in range(2):                          # gate row, up row: all loads first
-                roffs[m] = (soff_s[2 * k + m] if SOFF else slot_off[k * 3 + m]) + r * rb
+                roffs[m] = slot_off[k * 3 + m] + r * rb
                 load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
@@ -2711,7 +2684,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R, AHEAD=1):
+def _moe_down_sb_kernel(NSB, R):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2735,13 +2708,10 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1):
     same bits. scripts/check_moe_decode_sim.py checks them without a GPU.
 
     The activation is staged after the first weight group's copies have started (H200 kbench,
-    session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3).
-
-    AHEAD = 2 (_DOWN_SB_AHEAD, an experiment): the copies of groups 0 and 1 both start before the
-    activation is staged (the two stages are free then), and group g + 2's after group g is
-    computed; with AHEAD = 1 group 1's copies start only once the staging's loads have returned.
-    The same words: the same bits."""
-    assert 1 <= NSB <= 8 and R % 4 == 0 and AHEAD in (1, 2)
+    session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3;
+    groups 0 and 1 both copied before the staging: 11.9-12.2 against 10.9-11.1 on the H100,
+    session 34)."""
+    assert 1 <= NSB <= 8 and R % 4 == 0
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
     GW = 4 * RW                          # words per group of 4 rows (one stage)
@@ -2793,15 +2763,11 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1):
         rw = rb >> 2
         aligned = (ebase & 15) == 0 and (rb & 15) == 0
         fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
-        if AHEAD == 2:
-            cp_async_commit()
-            fetch(su, a32, so, wbase, rw, nr, aligned, lane, 1)
         stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
         cp_async_commit()
         for g in range(1, NG + 1):
-            if AHEAD == 1:
-                fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
-                cp_async_commit()
+            fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
+            cp_async_commit()
             gg = g - 1                                # compute group gg (its copies are done)
             cp_async_wait1()
             _warp_sync()
@@ -2832,9 +2798,6 @@ def _moe_down_sb_kernel(NSB, R, AHEAD=1):
             if sb == 0 and row < nr:
                 sf[_ix(k * R + row)] = v
             _warp_sync()                              # the stage is free for group gg + 2
-            if AHEAD == 2:
-                fetch(su, a32, so, wbase, rw, nr, aligned, lane, gg + 2)
-                cp_async_commit()
         cuda.syncthreads()
         _add_slots(sf, R, nr, r0, n_used, scale, out, hc_on, hc_state, hc_fb, hc_post, hc_comb)
 
@@ -3922,7 +3885,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *_gate_up_halves_switches(n_used))
+        # the default DEFER is left out of the key: kernels/manifest.json lists (NSB, PRE)
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *(() if _GU_DEFER else (False,)))
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
@@ -3955,8 +3919,7 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        # the default AHEAD is left out of the key: kernels/manifest.json lists (NSB, R)
-        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((2,) if _DOWN_SB_AHEAD == 2 else ()))
+        kernel = _cached(_moe_down_sb_kernel, NSB, R)
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

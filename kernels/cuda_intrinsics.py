@@ -81,9 +81,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   ends instead of being launched after it. Both are no-ops for a grid launched without a
   programmatic edge (eager launches, ordinary graph edges); kernels/graph.py makes the edges.
   Nothing is emitted for GPUs before sm_90.
-* ``prefetch_l2(a, byte_off, nbytes)``: ask the copy engine to bring nbytes of the global array a
-  from byte byte_off on into L2 (PTX cp.async.bulk.prefetch.L2.global, sm_90; both 16-byte
-  multiples): one instruction for a whole contiguous range, no registers, nothing waits for it.
 * ``mul_rn(a, b)``, ``add_rn(a, b)``: an f32 product or sum rounded on its own (libdevice
   __nv_fmul_rn / __nv_fadd_rn), which NVVM never contracts into an fma: where a GPU kernel must
   round exactly as the CPU engine does (numba on the CPU does not contract).
@@ -287,10 +284,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def pdl_enter():
         return None
-
-    def prefetch_l2(a, byte_off, nbytes):
-        assert int(byte_off) % 16 == 0 and int(nbytes) % 16 == 0
-        assert 0 <= int(byte_off) and int(byte_off) + int(nbytes) <= a.size * a.dtype.itemsize
 
     def funnel_r(lo, hi, n):
         v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
@@ -677,26 +670,6 @@ else:
                 fnty = ir.FunctionType(ir.VoidType(), [])
                 asm = "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"
                 builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, a, byte_off, nbytes):
-        if not (isinstance(a, types.Array) and isinstance(byte_off, types.Integer)
-                and isinstance(nbytes, types.Integer)):
-            return None
-        sig = types.void(a, byte_off, nbytes)
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i64 = ir.IntType(64)
-            off = context.cast(builder, args[1], signature.args[1], types.int64)
-            addr = builder.add(builder.ptrtoint(ary.data, i64), off)
-            size = _i32(context, builder, args[2], signature.args[2])
-            fnty = ir.FunctionType(ir.VoidType(), [i64, ir.IntType(32)])
-            asm = "cp.async.bulk.prefetch.L2.global [$0], $1;"
-            builder.call(ir.InlineAsm(fnty, asm, "l,r", side_effect=True), [addr, size])
             return context.get_dummy_value()
 
         return sig, codegen

@@ -110,8 +110,8 @@ quant = {
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16, True, *qk._gate_up_halves_switches(6)), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, no switch)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, SwiGLU per unit)": (lambda: qk._moe_gate_up_halves_kernel(16, True, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
@@ -177,7 +177,6 @@ quant = {
  "moe_down_decode_slots Q2_K (16 rows, cap 80)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 16, 80), moe_down, 80),
  "moe_down_sb Q2_K (8 rows)": (lambda: qk._moe_down_sb_kernel(8, 8), moe_down),
  "moe_down_sb Q2_K (3 super-blocks, 4 rows)": (lambda: qk._moe_down_sb_kernel(3, 4), moe_down),
- "moe_down_sb Q2_K (8 rows, two groups ahead)": (lambda: qk._moe_down_sb_kernel(8, 8, 2), moe_down),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

@@ -329,21 +329,20 @@ def halves_checks():
         ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves = gate/up decode: K {n_embd}", flush=True)
-        if n_embd in (768, 4096):      # the latency switches: the same bits
-            _knobs(_GU_SOFF=True, _GU_L2=True, _GU_DEFER=True)
+        if n_embd in (768, 4096):      # the SwiGLU per unit (_GU_DEFER off): the same bits
+            _knobs(_GU_DEFER=False)
             ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
             bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, offsets shared, L2, deferred SwiGLU: K {n_embd}",
-                  flush=True)
-            _knobs(_GU_SOFF=False, _GU_L2=False, _GU_DEFER=False)
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves, SwiGLU per unit: K {n_embd}", flush=True)
+            _knobs(_GU_DEFER=True)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
-    _knobs(_GU_HALVES=True, _RPB_GATE_UP=40, _NW_GATE_UP=1)
+    _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)
-    _knobs(_GU_DEFER=True, _GU_SOFF=True)
+    _knobs(_GU_DEFER=True)
     ok = all(np.array_equal(a, b) for a, b in zip(gate_up(256, 41, 2, 9), ref))
     bad += not ok
     print(f"{'ok ' if ok else 'BAD'} gate/up halves, deferred SwiGLU over 80 units a warp", flush=True)
-    _knobs(_GU_HALVES=False, _GU_DEFER=False, _GU_SOFF=False)
+    _knobs(_GU_HALVES=False)
     return bad
 
 
@@ -357,13 +356,12 @@ def down_sb_checks():
                                        (2048, 26, 12, 0, False)):
         _knobs(_DOWN_SB=0, _R_DOWN_SLOTS=0, _NW_DOWN=2)
         ref = down(n_ff, n_embd, 3, 6, hc, shift)
-        for ahead in (1, 2):            # weight groups in flight before the staging (_DOWN_SB_AHEAD)
-            _knobs(_DOWN_SB=R, _DOWN_SB_AHEAD=ahead)
-            ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} down sb: K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16"
-                  f"{', HC post' if hc else ''}{', two groups ahead' if ahead == 2 else ''}", flush=True)
-    _knobs(_DOWN_SB=0, _DOWN_SB_AHEAD=1)
+        _knobs(_DOWN_SB=R)
+        ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} down sb: K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16"
+              f"{', HC post' if hc else ''}", flush=True)
+    _knobs(_DOWN_SB=0)
     return bad
 
 

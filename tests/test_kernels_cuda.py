@@ -430,19 +430,12 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
-# (offsets in shared memory, rows prefetched into L2, deferred SwiGLU, register cap, rows per block)
-_HALVES_SWITCHES = [(True, False, False, 0, 4), (False, True, False, 0, 4), (False, False, True, 0, 4),
-                    (True, True, False, 0, 4), (True, True, True, 80, 4), (True, True, True, 96, 6)]
-
-
-@pytest.mark.parametrize("soff,l2,defer,regs,rpb", _HALVES_SWITCHES,
-                         ids=[f"soff{int(v[0])}-l2{int(v[1])}-defer{int(v[2])}-regs{v[3]}-rpb{v[4]}"
-                              for v in _HALVES_SWITCHES])
-def test_moe_gate_up_halves_switches_same_bits(experts, moe_knobs, soff, l2, defer, regs, rpb):
-    """moe_gate_up_halves with its latency switches (_GU_SOFF, _GU_L2, _GU_DEFER) and register
-    caps: the same loads, integers and f32 order, so the same mid and MoE output bits."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _GU_SOFF=soff, _GU_L2=l2,
-                                      _GU_DEFER=defer, _GU_REGS=regs, _RPB_GATE_UP=rpb, _NW_GATE_UP=6)
+@pytest.mark.parametrize("defer", [True, False])
+def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer):
+    """moe_gate_up_halves with the SwiGLU of 32 units at once (_GU_DEFER, the default) and with one
+    lane's per unit: the same sums into the same function, so the same mid and MoE output bits."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _GU_DEFER=defer,
+                                      _RPB_GATE_UP=4, _NW_GATE_UP=6)
 
 
 @pytest.mark.parametrize("extra", [0, 2])
@@ -451,7 +444,7 @@ def test_moe_gate_up_halves_deferred_flushes(moe_knobs, extra):
     two full passes, then 16), on rows 2 bytes off a word too, against the first gate/up kernel."""
     moe_knobs(**_FIRST_MOE_DECODE)
     ref = _gate_up_mid(1280, 80, 2, 31, extra)
-    moe_knobs(_GU_HALVES=True, _GU_SOFF=True, _GU_L2=True, _GU_DEFER=True, _RPB_GATE_UP=40, _NW_GATE_UP=1)
+    moe_knobs(_GU_HALVES=True, _GU_DEFER=True, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     assert np.array_equal(_gate_up_mid(1280, 80, 2, 31, extra), ref)
 
 
@@ -631,28 +624,23 @@ def test_moe_down_decode_equals_slot_matvecs(n_ff, slots_rows, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("sb_rows,n_ff,extra", [(8, 2048, 0), (4, 2048, 4), (8, 1024, 0), (4, 768, 0),
                                                 (12, 256, 0), (16, 2048, 0)])
-def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, ahead, moe_knobs):
+def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
     """moe_down_sb (_DOWN_SB: a lane per super-block, the rows through shared memory by cp.async)
     against a Q2_K matvec per slot added in slot order, bit for bit: the flash rows (2048: 8
     super-blocks) with the experts on a 16-byte boundary (cp.async) and 4 bytes off one (word
     copies), 4 and 3 super-blocks (768: word copies), one, and 4 to 16 rows per block (the 384
-    rows: partial last blocks with 12 and 16); with one and two weight groups in flight before
-    the activation is staged (_DOWN_SB_AHEAD)."""
-    moe_knobs(_DOWN_SB=sb_rows, _DOWN_SB_AHEAD=ahead)
+    rows: partial last blocks with 12 and 16)."""
+    moe_knobs(_DOWN_SB=sb_rows)
     assert K.down_sb_applies(F.Q2_K, n_ff, 6, sb_rows)
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs, ahead):
+def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs):
     """One flash-shaped decode MoE with moe_down_sb and moe_gate_up_halves (the engine's decode
-    MoE) against the first MoE decode kernels: mid and the output bit for bit (and with two down
-    weight groups in flight before the activation is staged, _DOWN_SB_AHEAD)."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _DOWN_SB=8,
-                                      _R_DOWN_SLOTS=8, _DOWN_SB_AHEAD=ahead)
+    MoE) against the first MoE decode kernels: mid and the output bit for bit."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 29, _GU_HALVES=True, _DOWN_SB=8, _R_DOWN_SLOTS=8)
 
 
 def _assert_down_equals_slot_matvecs(n_ff, extra=0):
