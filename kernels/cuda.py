@@ -2385,7 +2385,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
         sb = lane >> 1
         h = lane & 1
         valid = sb < NSB
-        grp = sb >> 2
+        grp = int32(sb >> 2)
         xw = cuda.local.array(32, int32)                # x of the lane's 128 weights, all rows
         for i in range(32):
             xw[i] = int32(0)
@@ -2411,16 +2411,23 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
         shs = cuda.local.array(2, uint32)
         totals = cuda.local.array(2, int32)
         terms = cuda.local.array(2, float32)
-        nwarps = cuda.blockDim.x >> 5
-        n_units, r, k = _first_unit(rpb, n_ff, n_used, warp)
+        # the unit walk in 32-bit integers (numba's are 64-bit: a compare or step costs a pair)
+        nwarps = int32(cuda.blockDim.x >> 5)
+        n_slots = int32(n_used)
+        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, warp)
+        n_units = int32(n_units)
+        r = int32(r64)
+        k = int32(k64)
         kept_g = float32(0.0)                           # DEFER: this lane's unit (n_kept == lane)
         kept_u = float32(0.0)
         kept_r = r
         kept_k = k
-        n_kept = 0
-        for unit in range(warp, n_units, nwarps):       # warp-uniform loop
+        n_kept = int32(0)
+        lane32 = int32(lane)
+        unit = int32(warp)
+        while unit < n_units:                           # warp-uniform loop
             for m in range(2):                          # gate row, up row: all loads first
-                roffs[m] = slot_off[k * 3 + m] + r * rb
+                roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
                 load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
@@ -2443,13 +2450,14 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
-                    totals[m] = imad(sumi, imad(bfe(aux1, 28, 4), 2, 1), totals[m])
+                    # the sub-block scale 2 s + 1, s = aux1's top nibble (a shift: bfe costs a SGXT more)
+                    totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
             for m in range(2):
                 bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
                 acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
                 for g in range(1, NST):                 # the chain: group g - 1 hands on to g
                     prev = cuda.shfl_xor_sync(FULL_MASK, acc, ((g - 1) ^ g) << 3)
-                    if grp == g:
+                    if grp == int32(g):
                         acc = cuda.fma(terms[m], bsum, prev) if valid else prev
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
@@ -2457,16 +2465,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
             if DEFER:
                 gate = cuda.shfl_sync(FULL_MASK, res[0], LOUT)
                 up = cuda.shfl_sync(FULL_MASK, res[1], LOUT)
-                if lane == n_kept:
+                if lane32 == n_kept:
                     kept_g, kept_u, kept_r, kept_k = gate, up, r, k
-                n_kept += 1
-                if n_kept == 32:                        # warp-uniform
+                n_kept = int32(n_kept + 1)
+                if n_kept == int32(32):                 # warp-uniform
                     mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
-                    n_kept = 0
+                    n_kept = int32(0)
             elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            r, k = _next_unit(r, k, nwarps, n_used)
-        if DEFER and lane < n_kept:
+            k = int32(k + nwarps)                       # _next_unit, in 32 bits
+            while k >= n_slots:
+                k = int32(k - n_slots)
+                r = int32(r + 1)
+            unit = int32(unit + nwarps)
+        if DEFER and lane32 < n_kept:
             mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
 
     return moe_gate_up_halves
