@@ -296,11 +296,12 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
     vram_budget, ram_budget, arena_limit, expert_cache_slots, expert_cache_bytes, direct_io,
     drop_pages, runner_up, alternatives [{regime, flag, verdict}]} or null with refusal: str;
     kernels {key, target ("cuda" | "cpu"), recorded, cached, jobs, ahead} for the chosen regime
-    (ds4py.engine.kernel_plan), null with a refusal. All sizes are bytes."""
+    (ds4py.engine.kernel_plan), null with a refusal; attention {f64, why}: the GPU decode
+    attention's arithmetic (--attention), null for the CPU. All sizes are bytes."""
     from dataclasses import asdict
 
     from ds4py.io import machine
-    from ds4py.io.detect import Refusal, decide
+    from ds4py.io.detect import Refusal, decide, decode_attention
     from ds4py.io.spec import open_model
 
     model = open_model(model_path)
@@ -311,7 +312,7 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
                   "model": {**measured.as_dict()["model"], "n_ctx": weights.n_ctx,
                             "kv_bytes": facts.model.kv_bytes, "scratch_bytes": facts.model.scratch_bytes},
                   "options": weights.table(), "notes": list(weights.notes), "decision": None, "refusal": None,
-                  "kernels": None}
+                  "kernels": None, "attention": None}
         try:
             d = decide(facts, weights.to_request())
         except Refusal as e:
@@ -319,6 +320,10 @@ def probe_report(model_path, weights: WeightOptions) -> dict:
             return report
         from ds4py.engine import kernel_plan, kernel_target
         report["kernels"] = kernel_plan(model, weights.compile_jobs, kernel_target(d.regime))
+        if kernel_target(d.regime) == "cuda":
+            gpus = report["machine"]["gpu"]["devices"]
+            f64, why = decode_attention(weights.attention, gpus[0].get("compute_capability") if gpus else None)
+            report["attention"] = {"f64": f64, "why": why}
         report["decision"] = {
             "regime": d.regime, "forced": d.forced, "reasons": list(d.reasons), "warnings": list(d.warnings),
             "vram_budget": d.vram_budget, "ram_budget": d.ram_budget, "arena_limit": d.arena_limit,
@@ -407,6 +412,9 @@ def print_probe(r: dict) -> None:
         from ds4py.engine import kernel_plan_text
         target = "CPU" if r["kernels"]["target"] == "cpu" else "CUDA"
         out.print(f"  {target} kernels: {kernel_plan_text(r['kernels'])}")
+    if r.get("attention"):
+        a = r["attention"]
+        out.print(f"  decode attention: {'f64' if a['f64'] else 'f32'} ({a['why']})", soft_wrap=True)
     alts = Table(title="other regimes", show_header=True)
     for col in ("regime", "force with", "verdict"):
         alts.add_column(col)
@@ -480,7 +488,11 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     # the shared loader: detector -> weight source -> CPU or CUDA engine (ds4py/engine.py)
     loaded = open_engine(m, weights, log=say)
     try:
-        console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}", highlight=False)
+        attention = ""
+        if loaded.kind == "cuda":      # --attention auto resolved for this GPU (forward_cuda.decode_attention_f64)
+            attention = f", attention {'f64' if loaded.engine.attention_f64 else 'f32'}"
+        console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}{attention}",
+                      highlight=False)
         session = Session(loaded.engine)
         sampler = Sampler(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
 

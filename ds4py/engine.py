@@ -122,7 +122,7 @@ def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
     from ds4py.forward_cuda import CudaEngine
     try:
         engine = CudaEngine(model, source, weights.n_ctx, prefill_chunk=weights.prefill_chunk,
-                            pdl=not weights.no_pdl)
+                            pdl=not weights.no_pdl, attention=weights.attention)
     except Exception as e:                 # numba's CudaAPIError for an allocation, mostly
         source.close()
         if "OUT_OF_MEMORY" in str(e) or "out of memory" in str(e).lower():

@@ -22,6 +22,7 @@ import numpy as np
 
 from ds4py.errors import Ds4Error
 from ds4py.options import DEFAULT_PREFILL_CHUNK
+from ds4py.io.detect import decode_attention
 from ds4py.io.gguf import GGML_F16, GGML_Q8_0
 from ds4py.kernels import compat  # noqa: F401
 from ds4py.kernels import cuda_ops as ops, numerics
@@ -85,6 +86,13 @@ def fill_device(array, value, stream) -> None:
     array.copy_to_device(host, stream=stream)
 
 
+def decode_attention_f64(choice: str) -> bool:
+    """--attention: attention_partial's arithmetic on this GPU, f64 (the CPU engine's numerics) or
+    f32 (io/detect.decode_attention; the simulator counts as a full-rate GPU)."""
+    cc = (9, 0) if numba_config.ENABLE_CUDASIM else cuda.get_current_device().compute_capability
+    return decode_attention(choice, cc)[0]
+
+
 def prefill_attention_mma(spec, n_tok: int, n_splits: int) -> bool:
     """Whether a chunk of tokens takes attention_prefill_mma (the tensor cores; head_dim 512, one
     row range per head) rather than attention_partial (decode, and the tiny shapes)."""
@@ -99,7 +107,7 @@ class Scratch:
     views derived from them: the halves of pair outputs, the group-major attention output), which
     is what the kernels and matmuls of a chunk of T tokens take. Decode uses n_tok = 1."""
 
-    def __init__(self, spec, max_rows: int, n_tok: int, n_splits: int):
+    def __init__(self, spec, max_rows: int, n_tok: int, n_splits: int, attention_f64: bool = True):
         f32, i8, i32 = np.float32, np.int8, np.int32
         d = cuda.device_array
         s = spec
@@ -108,7 +116,11 @@ class Scratch:
         q_dim = s.n_head * s.head_dim
         self.hc_chunk = ops.hc_chunk(s.n_embd)
         n_chunks = s.n_hc * s.n_embd // self.hc_chunk
-        part_t = np.float32 if prefill_attention_mma(s, n_tok, n_splits) else np.float64
+        # the attention kernel of these buffers: the tensor-core prefill kernel, or attention_partial
+        # in f64 or f32 (decode_attention_f64); the partials are in its arithmetic
+        self.attention = ("mma" if prefill_attention_mma(s, n_tok, n_splits)
+                          else "f64" if attention_f64 else "f32")
+        part_t = np.float64 if self.attention == "f64" else np.float32
         assert n_chunks <= 32, "hc_mix_values adds at most 32 chunk partials (one warp)"
         # [n_tok, ...] buffers
         self.tok = dict(
@@ -127,7 +139,7 @@ class Scratch:
             n_selected=cuda.to_device(np.zeros(P, i32)),
             # the attention's partials (scores and sums) for attention_combine: f64 from
             # attention_partial (rounded once in the combine, cuda_ops), f32 where the tensor-core
-            # prefill kernel writes them (its sums are f32: the same values in half the bytes)
+            # prefill kernel or the f32 attention_partial writes them (their sums are f32)
             part_max=d((P, s.n_head, n_splits), part_t), part_den=d((P, s.n_head, n_splits), part_t),
             part_acc=d((P, s.n_head, n_splits, s.head_dim), part_t),
             f_attn=d((P, s.n_embd), f32), zeros=cuda.to_device(np.zeros((P, s.n_embd), f32)),
@@ -168,9 +180,10 @@ class Scratch:
             return v
         assert 1 <= T <= self.n_tok
         s = self.spec
-        v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, logits=self.logits, next_token=self.next_token,
-                            argmax_val=self.argmax_val, argmax_idx=self.argmax_idx, forbid=self.forbid,
-                            moe_work=self.moe_work, comp_ext=self.comp_ext, icomp_ext=self.icomp_ext)
+        v = SimpleNamespace(T=T, hc_chunk=self.hc_chunk, attention=self.attention, logits=self.logits,
+                            next_token=self.next_token, argmax_val=self.argmax_val, argmax_idx=self.argmax_idx,
+                            forbid=self.forbid, moe_work=self.moe_work, comp_ext=self.comp_ext,
+                            icomp_ext=self.icomp_ext)
         for name, a in self.tok.items():
             setattr(v, name, a[:T])
         for name, (a, width) in self.flat.items():
@@ -195,7 +208,7 @@ class CudaEngine:
     INDEXER_QUERY_STREAM = True   # the indexer's q on its own stream ("idx"), else on "aux" (_attention)
 
     def __init__(self, model, source, n_ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 pdl: bool = True):
+                 pdl: bool = True, attention: str = "auto"):
         self.model, self.source, self.spec = model, source, model.spec
         s = self.spec
         self.n_ctx = n_ctx
@@ -240,7 +253,8 @@ class CudaEngine:
         # its attention runs, and none may overwrite a row an earlier token of the chunk still reads
         self.layers = [LayerState(s, il, n_ctx, s.n_swa + self.prefill_chunk) for il in range(s.n_layer)]
         self.max_rows = s.compressed_rows(n_ctx, 4)
-        self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS)
+        self.attention_f64 = decode_attention_f64(attention)
+        self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS, self.attention_f64)
         self.buf = self.scratch.view(1)
         self._prefill_scratch = None        # allocated by the first batched prefill
         # Experts resident in the arena (device / host-mapped sources): the router kernel computes
@@ -498,14 +512,15 @@ class CudaEngine:
             # partials) x tokens, then (head, 2*COMBINE_THREADS dims, token) blocks for the merge
             groups = (s.n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS
             n_splits = b.part_max.shape[2]
-            # prefill: the tensor-core kernel, same partials (not the same bits); its scratch holds
-            # f32 partials, so a chunk of one token takes it too
-            if b.part_max.dtype == np.float32:
+            # prefill: the tensor-core kernel, same partials (not the same bits); a chunk of one
+            # token takes it too (its scratch's choice)
+            if b.attention == "mma":
                 ops.attention_prefill_mma[(s.n_head // ops.ATTN_MMA_HEADS, 1, T), ops.ATTN_MMA_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
             else:
-                ops.attention_partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
+                partial = ops.attention_partial if b.attention == "f64" else ops.attention_partial_f32
+                partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
             dim_blocks = (s.head_dim + 2 * ops.COMBINE_THREADS - 1) // (2 * ops.COMBINE_THREADS)
@@ -911,7 +926,8 @@ class CudaEngine:
         limit = self._prefill_chunk_limit()
         P = min(chunk or limit, limit)
         if self._prefill_scratch is None:
-            self._prefill_scratch = Scratch(self.spec, self.max_rows, self.prefill_chunk, self.PREFILL_SPLITS)
+            self._prefill_scratch = Scratch(self.spec, self.max_rows, self.prefill_chunk, self.PREFILL_SPLITS,
+                                            self.attention_f64)
         st = self.stream
         b = None
         with _no_gc():

@@ -37,6 +37,7 @@ _UNITS = {"": None, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
 _TRUE, _FALSE = {"1", "true", "yes", "on", "y", "t"}, {"0", "false", "no", "off", "n", "f"}
 
 WEIGHT_CHOICES = ("auto", "device", "page-cache", "stream")
+ATTENTION_CHOICES = ("auto", "f64", "f32")
 _WEIGHT_ALIASES = {"pagecache": "page-cache", "page_cache": "page-cache", "direct": "stream",
                    "streaming": "stream", "ssd-streaming": "stream", "gpu": "device", "vram": "device"}
 DEFAULT_CTX = 32768                 # ds4's -c/--ctx default; KV is 0.44 GiB there on the q2 model
@@ -73,6 +74,13 @@ def _parse_weights(text: str) -> str:
     v = _WEIGHT_ALIASES.get(v, v)
     if v not in WEIGHT_CHOICES:
         raise Ds4Error(f"--weights: {text!r} is not one of {', '.join(WEIGHT_CHOICES)}")
+    return v
+
+
+def _parse_attention(text: str) -> str:
+    v = str(text).strip().lower()
+    if v not in ATTENTION_CHOICES:
+        raise Ds4Error(f"--attention: {text!r} is not one of {', '.join(ATTENTION_CHOICES)}")
     return v
 
 
@@ -175,6 +183,11 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("no_pdl", "--no-pdl", "DS4PY_NO_PDL", "bool", False, "",
         "Replay the GPU decode graph with ordinary edges. By default (sm_90+) each kernel is launched "
         "while the one before it finishes (programmatic dependent launch)."),
+    Opt("attention", "--attention", "DS4PY_ATTENTION", "value", "auto", "MODE",
+        "Decode attention's arithmetic on the GPU: f64 (the CPU engine's numerics: the same scores to "
+        "~1e-16), f32 (faster where f64 is slow), or auto: f64 on GPUs with full-rate f64 (V100, A100, "
+        "H100, H200, B200), f32 on the others (GeForce, RTX workstation, L4/L40: f64 at 1/64 of f32).",
+        _parse_attention),
     Opt("warm_weights", "--warm-weights", "DS4PY_WARM_WEIGHTS", "bool", False, "",
         "Fault the whole file into the page cache before loading (MADV_POPULATE_READ, with progress)."),
     Opt("io_threads", "--io-threads", "DS4PY_IO_THREADS", "value", 0, "N",
@@ -205,6 +218,7 @@ class WeightOptions:
     n_ctx: int = DEFAULT_CTX
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     no_pdl: bool = False
+    attention: str = "auto"
     warm_weights: bool = False
     io_threads: int = 0
     compile_jobs: int = 0

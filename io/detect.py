@@ -66,6 +66,26 @@ def unsupported_gpu(gpu: GpuFacts) -> str | None:
             f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} or newer (int8 tensor-core MMA, cp.async)")
 
 
+# GPUs that run f64 at half the f32 rate (A100 / A30, H100 / H200, B200). Every other supported
+# card (GeForce and RTX workstation cards, RTX 50's 12.0 included; L4 / L40 / A10 / A40; Jetson;
+# B300) runs it at 1/32 to 1/64 of f32, and so does anything not listed here yet.
+FULL_RATE_F64 = {(8, 0), (9, 0), (10, 0)}
+
+
+def decode_attention(choice: str, compute_capability) -> tuple[bool, str]:
+    """--attention: (True for f64, False for f32, why). f64 is the CPU engine's numerics (the
+    same scores to ~1e-16, the same logits); at 640 rows it is ~1.8 G multiply-adds a token,
+    ~2.8 ms where f64 runs at 1/64 of f32 (an RTX 4090), so auto takes f32 there."""
+    if choice != "auto":
+        return choice == "f64", f"--attention {choice}"
+    if compute_capability is None:
+        return True, "the GPU's compute capability is unknown: f64, the CPU engine's numerics"
+    cc = f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+    if tuple(compute_capability) in FULL_RATE_F64:
+        return True, f"{cc} runs f64 at full rate: the CPU engine's numerics (--attention f32 is faster)"
+    return False, f"{cc} runs f64 at 1/32-1/64 of f32 (--attention f64 for the CPU engine's numerics)"
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     file_size: int

@@ -1677,11 +1677,10 @@ ATTN_LANE_DIMS = ATTN_MAX_DIM // 32
 ATTN_Q_REGS = 4 * ATTN_LANE_DIMS   # q values a lane holds: 4 heads x ATTN_LANE_DIMS dims
 ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile loop), but slow
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
-# One attention_partial block per SM guaranteed (<= 255 registers): with its sums in f64 (the CPU
-# twin's numerics) it needs 245 registers; capped at 128 for two blocks per SM it spilled 904 bytes
-# (ptxas, scripts/check_cuda_compile.py --ptxas; the f32 sums fit in 128 with 168 bytes spilled).
-# The simulator's jit takes no launch bounds.
-ATTN_JIT = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, 1)}
+# attention_partial's launch bounds (_attention_partial_kernel): in f64 (the CPU twin's numerics)
+# it needs 245 registers, so one block per SM; capped at 128 for two it spilled 904 bytes (ptxas,
+# scripts/check_cuda_compile.py --ptxas); in f32 two blocks per SM, 168 bytes spilled. The
+# simulator's jit takes no launch bounds.
 
 
 @cuda.jit(device=True)
@@ -1800,81 +1799,6 @@ def load_q(q, group, head_dim, q_reg):
 
 
 @cuda.jit(device=True)
-def score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch):
-    """scores[h, t] = q_h · row_t / sqrt(head_dim) for the group's 8 heads and the 32 tile slots
-    (layout in the section comment; padded slots get scores the softmax ignores). Warp w takes
-    slots w%4 + 8i and w%4 + 8i + 4 per round, so one warp_sum8 reduces 4 heads x 2 rows. The dots
-    are f64 sums of exact products (f32 q times f16 rows), as the CPU twin's (cpu_ops.sink_attention):
-    the two engines' scores then differ by ~1e-16, not by f32 roundings."""
-    warp = cuda.threadIdx.x // 32
-    lane = cuda.threadIdx.x % 32
-    q_reg = cuda.local.array(ATTN_Q_REGS, float32)
-    load_q(q, group, head_dim, q_reg)
-    part = cuda.local.array(8, float64)
-    for i in range(ATTN_TILE // 8):
-        t0 = warp % 4 + 8 * i
-        for k in range(8):
-            part[k] = float64(0.0)
-        for j in range(ATTN_LANE_DIMS):
-            x0 = float64(rows[uint64(t0), uint64(lane + 32 * j)])
-            x1 = float64(rows[uint64(t0 + 4), uint64(lane + 32 * j)])
-            for hh in range(4):
-                qv = float64(q_reg[hh * ATTN_LANE_DIMS + j])
-                part[hh] += qv * x0
-                part[4 + hh] += qv * x1
-        total = warp_sum8(part, scratch)
-        if lane % 4 == 0:                       # lane holds value (lane >> 2) & 7: row (lane >> 4), head (lane >> 2) & 3
-            scores[4 * (warp // 4) + (lane >> 2) % 4, t0 + 4 * (lane >> 4)] = total * inv_sqrt
-
-
-@cuda.jit(device=True)
-def softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch):
-    """Online softmax step of head `warp` of the group over the tile (lane = row): returns the new
-    running max and Σexp; scores[head, :] becomes the rows' exp weights (0 on padded slots) and
-    rescale[head] the factor for the sums so far."""
-    head = cuda.threadIdx.x // 32
-    lane = cuda.threadIdx.x % 32
-    s = scores[head, lane] if lane < n_tile else float64(NEG_INF)
-    m_new = max(m_run, lanes_max(s, scratch))
-    e = math.exp(s - m_new) if lane < n_tile else float64(0.0)
-    scale = math.exp(m_run - m_new)
-    den_new = den_run * scale + lanes_sum(e, scratch)
-    scores[head, lane] = e
-    if lane == 0:
-        rescale[head] = scale
-    return m_new, den_new
-
-
-@cuda.jit(device=True)
-def accumulate_tile(rows, weights, rescale, first, part_acc, group, split, head_dim):
-    """part_acc[h, split, d] = previous value·rescale[h] + Σ_t weight[h, t]·row_t[d] for this
-    thread's 4 heads x 4 dims, over all 32 slots (padded slots: weight 0, finite values). Between
-    tiles the sums wait in part_acc (each thread reads back its own writes), so no registers stay
-    live through the staging and scoring of the next tile."""
-    n_head = part_acc.shape[0]
-    quad = cuda.threadIdx.x // 128
-    dim0 = cuda.threadIdx.x % 128
-    head0 = group * ATTN_HEADS + 4 * quad
-    acc = cuda.local.array(16, float64)
-    for hh in range(4):
-        out = part_acc[min(head0 + hh, n_head - 1), split]
-        for j in range(4):
-            d = dim0 + 128 * j
-            acc[4 * hh + j] = float64(0.0)
-            if not first and head0 + hh < n_head and d < head_dim:
-                acc[4 * hh + j] = out[uint64(d)] * rescale[4 * quad + hh]
-    x = cuda.local.array(4, float64)
-    for t in range(ATTN_TILE):
-        for j in range(4):
-            x[j] = float64(rows[uint64(t), uint64(dim0 + 128 * j)])
-        for hh in range(4):
-            w = weights[uint64(4 * quad + hh), uint64(t)]
-            for j in range(4):
-                acc[4 * hh + j] += w * x[j]
-    store_acc(acc, part_acc, group, split, head_dim)
-
-
-@cuda.jit(device=True)
 def store_acc(acc, part_acc, group, split, head_dim):
     """Write this thread's 16 sums (4 heads x 4 dims) to part_acc[:, split]."""
     n_head = part_acc.shape[0]
@@ -1888,88 +1812,174 @@ def store_acc(acc, part_acc, group, split, head_dim):
                     out[uint64(d)] = acc[4 * hh + j]
 
 
-@cuda.jit(device=True)
-def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
-                 first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
-    """The group's heads over visible rows begin .. end-1, tile by tile, with an online softmax:
-    writes Σexp·row into part_acc and returns the max and Σexp of head `warp` of the group."""
-    m_run = float64(NEG_INF)
-    den_run = float64(0.0)
-    inv_sqrt = float64(float32(1.0 / math.sqrt(head_dim)))     # the CPU engine's f32 attn_scale
-    for tile_begin in range(begin, end, ATTN_TILE):
-        n_tile = min(ATTN_TILE, end - tile_begin)
-        stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
-                   use_selected, head_dim)
-        cuda.syncthreads()
-        score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch)
-        cuda.syncthreads()
-        m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
-        cuda.syncthreads()
-        accumulate_tile(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
-        cuda.syncthreads()
-    return m_run, den_run
+def _attention_partial_kernel(FT):
+    """attention_partial with its scores, softmax and sums in FT: float64, the CPU twin's numerics
+    (the scores are f64 sums of exact products, so the engines differ by ~1e-16 before the one
+    rounding in attention_combine), or float32 for GPUs whose f64 runs at 1/32-1/64 of f32
+    (every GeForce and workstation card: there f64 scores cost ~2.8 ms a token at 640 rows;
+    io/detect.decode_attention chooses). The combine reads either partials in f64."""
+    blocks_per_sm = 1 if FT == float64 else 2       # see the launch bounds comment above
+    jit_options = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, blocks_per_sm)}
+
+    @cuda.jit(device=True)
+    def score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch):
+        """scores[h, t] = q_h · row_t / sqrt(head_dim) for the group's 8 heads and the 32 tile slots
+        (layout in the section comment; padded slots get scores the softmax ignores). Warp w takes
+        slots w%4 + 8i and w%4 + 8i + 4 per round, so one warp_sum8 reduces 4 heads x 2 rows. In f64
+        the dots are sums of exact products (f32 q times f16 rows), as the CPU twin's
+        (cpu_ops.sink_attention): the two engines' scores then differ by ~1e-16, not by f32 roundings."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        q_reg = cuda.local.array(ATTN_Q_REGS, float32)
+        load_q(q, group, head_dim, q_reg)
+        part = cuda.local.array(8, FT)
+        for i in range(ATTN_TILE // 8):
+            t0 = warp % 4 + 8 * i
+            for k in range(8):
+                part[k] = FT(0.0)
+            for j in range(ATTN_LANE_DIMS):
+                x0 = FT(rows[uint64(t0), uint64(lane + 32 * j)])
+                x1 = FT(rows[uint64(t0 + 4), uint64(lane + 32 * j)])
+                for hh in range(4):
+                    qv = FT(q_reg[hh * ATTN_LANE_DIMS + j])
+                    part[hh] += qv * x0
+                    part[4 + hh] += qv * x1
+            total = warp_sum8(part, scratch)
+            if lane % 4 == 0:       # lane holds value (lane >> 2) & 7: row (lane >> 4), head (lane >> 2) & 3
+                scores[4 * (warp // 4) + (lane >> 2) % 4, t0 + 4 * (lane >> 4)] = total * inv_sqrt
+
+    @cuda.jit(device=True)
+    def softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch):
+        """Online softmax step of head `warp` of the group over the tile (lane = row): returns the new
+        running max and Σexp; scores[head, :] becomes the rows' exp weights (0 on padded slots) and
+        rescale[head] the factor for the sums so far."""
+        head = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        s = scores[head, lane] if lane < n_tile else FT(NEG_INF)
+        m_new = max(m_run, lanes_max(s, scratch))
+        e = math.exp(s - m_new) if lane < n_tile else FT(0.0)
+        scale = math.exp(m_run - m_new)
+        den_new = den_run * scale + lanes_sum(e, scratch)
+        scores[head, lane] = e
+        if lane == 0:
+            rescale[head] = scale
+        return m_new, den_new
+
+    @cuda.jit(device=True)
+    def accumulate_tile(rows, weights, rescale, first, part_acc, group, split, head_dim):
+        """part_acc[h, split, d] = previous value·rescale[h] + Σ_t weight[h, t]·row_t[d] for this
+        thread's 4 heads x 4 dims, over all 32 slots (padded slots: weight 0, finite values). Between
+        tiles the sums wait in part_acc (each thread reads back its own writes), so no registers stay
+        live through the staging and scoring of the next tile."""
+        n_head = part_acc.shape[0]
+        quad = cuda.threadIdx.x // 128
+        dim0 = cuda.threadIdx.x % 128
+        head0 = group * ATTN_HEADS + 4 * quad
+        acc = cuda.local.array(16, FT)
+        for hh in range(4):
+            out = part_acc[min(head0 + hh, n_head - 1), split]
+            for j in range(4):
+                d = dim0 + 128 * j
+                acc[4 * hh + j] = FT(0.0)
+                if not first and head0 + hh < n_head and d < head_dim:
+                    acc[4 * hh + j] = out[uint64(d)] * rescale[4 * quad + hh]
+        x = cuda.local.array(4, FT)
+        for t in range(ATTN_TILE):
+            for j in range(4):
+                x[j] = FT(rows[uint64(t), uint64(dim0 + 128 * j)])
+            for hh in range(4):
+                w = weights[uint64(4 * quad + hh), uint64(t)]
+                for j in range(4):
+                    acc[4 * hh + j] += w * x[j]
+        store_acc(acc, part_acc, group, split, head_dim)
+
+    @cuda.jit(device=True)
+    def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
+                     first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
+        """The group's heads over visible rows begin .. end-1, tile by tile, with an online softmax:
+        writes Σexp·row into part_acc and returns the max and Σexp of head `warp` of the group."""
+        m_run = FT(NEG_INF)
+        den_run = FT(0.0)
+        inv_sqrt = FT(float32(1.0 / math.sqrt(head_dim)))     # the CPU engine's f32 attn_scale
+        for tile_begin in range(begin, end, ATTN_TILE):
+            n_tile = min(ATTN_TILE, end - tile_begin)
+            stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+                       use_selected, head_dim)
+            cuda.syncthreads()
+            score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch)
+            cuda.syncthreads()
+            m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
+            cuda.syncthreads()
+            accumulate_tile(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
+            cuda.syncthreads()
+        return m_run, den_run
+
+    @cuda.jit(device=True)
+    def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                        use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
+                        rescale, scratch):
+        """attention_partial's work for block (group, split, token), in the shared arrays it is given."""
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        group = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        t = cuda.blockIdx.z
+        q = q_all[t]
+        selected = selected_all[t]
+        part_max = part_max_all[t]
+        part_den = part_den_all[t]
+        part_acc = part_acc_all[t]
+        n_raw, first_raw, n_rows = visible_rows(pos_buf[t], n_swa, ratio, use_selected, n_selected[t])
+        n_tiles = (n_rows + ATTN_TILE - 1) // ATTN_TILE
+        tiles_per_split = (n_tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
+        begin = min(split * tiles_per_split * ATTN_TILE, n_rows)
+        end = min(begin + tiles_per_split * ATTN_TILE, n_rows)
+        if head_dim == ATTN_MAX_DIM:
+            # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
+            # clamps fold away and each row's loads are constant offsets from one address
+            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+                                          begin, end, n_raw, first_raw, ATTN_MAX_DIM, part_acc, rows,
+                                          scores, rescale, scratch)
+        else:
+            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+                                          begin, end, n_raw, first_raw, head_dim, part_acc, rows,
+                                          scores, rescale, scratch)
+        n_head = part_max.shape[0]
+        head = group * ATTN_HEADS + warp
+        if tid % 32 == 0 and head < n_head:
+            part_max[head, split] = m_run
+            part_den[head, split] = den_run
+        if begin == end:                   # empty range: neutral sums too
+            zeros = cuda.local.array(16, FT)
+            for k in range(16):
+                zeros[k] = FT(0.0)
+            store_acc(zeros, part_acc, group, split, head_dim)
+
+    @cached_jit(**jit_options)
+    def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                          use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
+        """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
+        whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
+        Σexp·row (scores, softmax and sums in FT, rounded once in attention_combine). A block whose
+        range is empty (short context) writes neutral partials (max NEG_INF, Σ 0, acc 0). Launch with
+        ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits, T); head_dim <= ATTN_MAX_DIM.
+        Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k], n_selected [T], partials
+        [T, n_head, n_splits(, head_dim)] in FT; it sees the rows visible at pos_buf[t] (the raw ring
+        must hold the chunk's rows without overwriting the window)."""
+        pdl_enter()
+        rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
+        scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), FT)     # then the exp weights
+        rescale = cuda.shared.array(ATTN_HEADS, FT)
+        scratch = cuda.shared.array(ATTN_THREADS, FT)       # lane_swap in the simulator only
+        attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
+                        use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
+                        rescale, scratch)
+
+    return attention_partial
 
 
-@cuda.jit(device=True)
-def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
-                    rescale, scratch):
-    """attention_partial's work for block (group, split, token), in the shared arrays it is given."""
-    tid = cuda.threadIdx.x
-    warp = tid // 32
-    group = cuda.blockIdx.x
-    split = cuda.blockIdx.y
-    t = cuda.blockIdx.z
-    q = q_all[t]
-    selected = selected_all[t]
-    part_max = part_max_all[t]
-    part_den = part_den_all[t]
-    part_acc = part_acc_all[t]
-    n_raw, first_raw, n_rows = visible_rows(pos_buf[t], n_swa, ratio, use_selected, n_selected[t])
-    n_tiles = (n_rows + ATTN_TILE - 1) // ATTN_TILE
-    tiles_per_split = (n_tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
-    begin = min(split * tiles_per_split * ATTN_TILE, n_rows)
-    end = min(begin + tiles_per_split * ATTN_TILE, n_rows)
-    if head_dim == ATTN_MAX_DIM:
-        # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
-        # clamps fold away and each row's loads are constant offsets from one address
-        m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
-                                      begin, end, n_raw, first_raw, ATTN_MAX_DIM, part_acc, rows,
-                                      scores, rescale, scratch)
-    else:
-        m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
-                                      begin, end, n_raw, first_raw, head_dim, part_acc, rows,
-                                      scores, rescale, scratch)
-    n_head = part_max.shape[0]
-    head = group * ATTN_HEADS + warp
-    if tid % 32 == 0 and head < n_head:
-        part_max[head, split] = m_run
-        part_den[head, split] = den_run
-    if begin == end:                   # empty range: neutral sums too
-        zeros = cuda.local.array(16, float64)
-        for k in range(16):
-            zeros[k] = float64(0.0)
-        store_acc(zeros, part_acc, group, split, head_dim)
-
-
-@cached_jit(**ATTN_JIT)
-def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                      use_selected, head_dim, part_max_all, part_den_all, part_acc_all):
-    """Sink attention, first half: block (group, split) takes heads group*8 .. +7 and one range of
-    whole tiles of the visible rows (§6.5) and writes, per head, the range's max score, Σexp and
-    Σexp·row (scores, softmax and sums in f64, rounded once in attention_combine). A block whose
-    range is empty (short context) writes neutral partials (max NEG_INF, Σ 0, acc 0). Launch with ATTN_THREADS threads, grid (n_head // ATTN_HEADS, n_splits,
-    T); head_dim <= ATTN_MAX_DIM. Token t = blockIdx.z: q_all [T, q_dim], selected_all [T, top_k],
-    n_selected [T], partials [T, n_head, n_splits(, head_dim)]; it sees the rows visible at
-    pos_buf[t] (the raw ring must hold the chunk's rows without overwriting the window)."""
-    pdl_enter()
-    rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
-    scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), float64)     # then the exp weights
-    rescale = cuda.shared.array(ATTN_HEADS, float64)
-    scratch = cuda.shared.array(ATTN_THREADS, float64)       # lane_swap in the simulator only
-    attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
-                    use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
-                    rescale, scratch)
+attention_partial = _attention_partial_kernel(float64)        # the default: the CPU twin's numerics
+attention_partial_f32 = _attention_partial_kernel(float32)    # GPUs without full-rate f64 (--attention)
 
 
 # ---- prefill attention on the tensor cores -------------------------------------------------------

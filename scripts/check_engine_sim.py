@@ -1,7 +1,7 @@
 """The GPU engine's wiring, run in Numba's CUDA simulator against the CPU engine.
 
 Run by hand (minutes on a laptop): `NUMBA_ENABLE_CUDASIM=1 python scripts/check_engine_sim.py [N]`
-compares the first N positions; `... check_engine_sim.py prefill [N] [CHUNK]` prefills N tokens
+compares the first N positions (`--attention f32`: with the f32 decode attention); `... check_engine_sim.py prefill [N] [CHUNK]` prefills N tokens
 with the batched path (chunks of CHUNK) and compares the last logits with the CPU engine and with
 N token-by-token decodes, then one decode after the prefill. The quantized matvecs use
 dp4a intrinsics that the simulator cannot run, so they are replaced here by host computations
@@ -265,7 +265,7 @@ def poison_scratch(engine):
         a.copy_to_device(np.full(a.shape, fill, a.dtype))
 
 
-def main(n_tokens):
+def main(n_tokens, attention="auto"):
     fc.qk = HostQuantKernels
     from ds4py.forward_cpu import CpuEngine
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,7 +275,8 @@ def main(n_tokens):
         rng = np.random.default_rng(11)
         tokens = [int(t) for t in rng.integers(0, 129_000, size=n_tokens)]
         cpu = CpuEngine(model, n_ctx=64)
-        gpu = fc.CudaEngine(model, FileArenaSource(model), 64)
+        gpu = fc.CudaEngine(model, FileArenaSource(model), 64, attention=attention)
+        print(f"decode attention in {'f64' if gpu.attention_f64 else 'f32'}", flush=True)
         poison_scratch(gpu)
         worst = 1.0
         for pos, tok in enumerate(tokens):
@@ -352,7 +353,12 @@ def main_prefill(n_tokens, chunk):
 
 
 if __name__ == "__main__":
+    attention = "auto"
+    if "--attention" in sys.argv:
+        i = sys.argv.index("--attention")
+        attention = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
     if len(sys.argv) > 1 and sys.argv[1] == "prefill":
         main_prefill(int(sys.argv[2]) if len(sys.argv) > 2 else 20, int(sys.argv[3]) if len(sys.argv) > 3 else 8)
     else:
-        main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 5, attention)

@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--skip-cpu", action="store_true")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="tokens per prefill chunk")
+    ap.add_argument("--attention", default="auto", help="decode attention: auto, f64 or f32 (ds4py --attention)")
     args = ap.parse_args()
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -61,10 +62,11 @@ def main():
     from ds4py.engine import open_engine
     from ds4py.options import WeightOptions
     t0 = time.time()
-    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx, prefill_chunk=args.prefill_chunk),
-                         progress=False)                         # the detector decides
+    loaded = open_engine(model, WeightOptions(n_ctx=n_ctx, prefill_chunk=args.prefill_chunk,
+                                              attention=args.attention), progress=False)   # the detector decides
     source, engine = loaded.source, loaded.engine
-    results["load"] = dict(seconds=time.time() - t0, regime=source.regime, counters=source.counters.as_dict())
+    results["load"] = dict(seconds=time.time() - t0, regime=source.regime, counters=source.counters.as_dict(),
+                           attention="f64" if engine.attention_f64 else "f32")
     t0 = time.time()
     first = engine.decode(1)
     results["first_step_s"] = time.time() - t0
@@ -122,7 +124,7 @@ def main():
             if regime == "stream":
                 kw.update(direct_io=True, drop_pages=True)
             src = cls(model, **kw)
-            eng = CudaEngine(model, src, 1024)
+            eng = CudaEngine(model, src, 1024, attention=args.attention)
             eng.prefill(ids[:32])
             token = ids[32]
             eng.decode_greedy(token)

@@ -212,8 +212,9 @@ def test_probe_json_is_documented_shape(tiny_model, tmp_path):
     r = _cli("probe", "-m", str(tiny_model), "--json", "--gpu-vram", "0", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal", "kernels"}
+    assert set(report) == {"machine", "model", "options", "notes", "decision", "refusal", "kernels", "attention"}
     assert report["kernels"]["target"] == "cpu"        # the CPU engine's kernels
+    assert report["attention"] is None                 # no GPU attention on the CPU
     assert report["kernels"]["key"].startswith("cpu;") and report["kernels"]["recorded"] >= 30
     assert report["decision"]["regime"] == "cpu" and report["refusal"] is None
     assert report["model"]["kv_bytes"] > 0 and report["model"]["n_ctx"] == 32768
@@ -234,6 +235,7 @@ def test_probe_forced_regime_that_cannot_run_is_one_error_line(tiny_model):
     (["--gpu-vram", "lots"], {}, "--gpu-vram"),
     (["--ctx", "0"], {}, "--ctx"),
     (["--weights", "vramm"], {}, "--weights"),
+    (["--attention", "f16"], {}, "--attention"),
     ([], {"DS4_CUDA_KEEP_MODEL_PAGES": "maybe"}, "DS4_CUDA_KEEP_MODEL_PAGES"),
     ([], {"DS4PY_RAM_BUDGET": "-3G"}, "DS4PY_RAM_BUDGET"),
     ([], {"DS4_CUDA_MODEL_COPY_CHUNK_MB": "big"}, "DS4_CUDA_MODEL_COPY_CHUNK_MB"),
@@ -248,3 +250,17 @@ def test_probe_bad_input_is_one_clean_line(tiny_model, args, env, needle):
     assert r.stderr.startswith("error:") and r.stderr.strip().count("\n") == 0, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and "Usage" not in r.stderr
+
+
+@pytest.mark.parametrize("cc,f64", [((9, 0), True), ((8, 0), True), ((10, 0), True), ((8, 6), False),
+                                    ((8, 9), False), ((12, 0), False), ((10, 3), False), ((13, 0), False)])
+def test_decode_attention_is_f64_only_where_f64_runs_at_full_rate(cc, f64):
+    """--attention auto: f64 (the CPU engine's numerics) on A100 / H100 / H200 / B200, f32 on the
+    GeForce and workstation parts (RTX 50 is 12.0) and on anything not listed, whose f64 runs at
+    1/32-1/64 of f32; a forced choice wins; an unknown capability keeps f64."""
+    from ds4py.io import detect
+    chosen, why = detect.decode_attention("auto", cc)
+    assert chosen is f64 and f"compute capability {cc[0]}.{cc[1]}" in why
+    assert detect.decode_attention("f32", (9, 0))[0] is False
+    assert detect.decode_attention("f64", (8, 9))[0] is True
+    assert detect.decode_attention("auto", None)[0] is True

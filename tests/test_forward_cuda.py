@@ -79,7 +79,7 @@ def cpu_logits(model):
     return tokens, _decode_all(CpuEngine(model, n_ctx=256), tokens, CHECK_POSITIONS)
 
 
-def _engine(model, regime, n_ctx=256, pdl=True, **kw):
+def _engine(model, regime, n_ctx=256, pdl=True, attention="auto", **kw):
     from ds4py.forward_cuda import CudaEngine
     from ds4py.io import sources
     if regime == "device":
@@ -88,7 +88,7 @@ def _engine(model, regime, n_ctx=256, pdl=True, **kw):
         source = sources.PageCacheSource(model, expert_slots=kw.get("slots", 12), progress=False)
     else:
         source = sources.StreamSource(model, expert_slots=kw.get("slots", 12), progress=False)
-    return CudaEngine(model, source, n_ctx, pdl=pdl), source
+    return CudaEngine(model, source, n_ctx, pdl=pdl, attention=attention), source
 
 
 def test_gpu_logits_match_cpu_engine(model, cpu_logits):
@@ -98,6 +98,30 @@ def test_gpu_logits_match_cpu_engine(model, cpu_logits):
     report = []
     for pos in CHECK_POSITIONS:
         ok, _, _, line = _close(got[pos], want[pos], exact_numerics=True)
+        report.append(f"pos {pos}: {line}")
+        assert ok, "\n".join(report)
+    print("\n".join(report))
+    source.close()
+
+
+def test_f32_attention_stays_within_the_f32_spread(model, cpu_logits):
+    """--attention f32 (the decode attention GPUs without full-rate f64 take; auto chooses by
+    compute capability): f32 scores and sums, so not the CPU engine's bits, but within the spread
+    of two f32 implementations at every checked position (the bar of _close without
+    exact_numerics)."""
+    from numba import cuda
+
+    from ds4py.io.detect import decode_attention
+    tokens, want = cpu_logits
+    engine, source = _engine(model, "device", attention="f32")
+    auto, auto_source = _engine(model, "device")
+    assert not engine.attention_f64
+    assert auto.attention_f64 == decode_attention("auto", cuda.get_current_device().compute_capability)[0]
+    auto_source.close()
+    got = _decode_all(engine, tokens, CHECK_POSITIONS)
+    report = []
+    for pos in CHECK_POSITIONS:
+        ok, _, _, line = _close(got[pos], want[pos])
         report.append(f"pos {pos}: {line}")
         assert ok, "\n".join(report)
     print("\n".join(report))

@@ -87,6 +87,11 @@ def test_value_forms():
     assert o.from_env({}).prefill_chunk == o.DEFAULT_PREFILL_CHUNK
     with pytest.raises(Ds4Error, match="--prefill-chunk"):
         o.from_env({}, prefill_chunk=str(o.MAX_PREFILL_CHUNK + 1))
+    assert o.from_env({}).attention == "auto"
+    assert o.from_env({"DS4PY_ATTENTION": "F32"}).attention == "f32"
+    assert o.from_env({"DS4PY_ATTENTION": "f32"}, attention="f64").attention == "f64"
+    with pytest.raises(Ds4Error, match="--attention: 'f16' is not one of auto, f64, f32"):
+        o.from_env({}, attention="f16")
 
 
 def test_copy_chunk_is_clamped_like_ds4():
