@@ -483,4 +483,3 @@ def test_dense_kernels_refuse_blocks_that_cannot_hold_whole_rows(monkeypatch):
     assert K._rows_per_block(2) == 2
     with pytest.raises(ValueError, match="_NW_DENSE"):
         K._rows_per_block(8)
-
