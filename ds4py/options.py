@@ -185,8 +185,8 @@ OPTIONS: tuple[Opt, ...] = (
         "while the one before it finishes (programmatic dependent launch)."),
     Opt("attention", "--attention", "DS4PY_ATTENTION", "value", "auto", "MODE",
         "Decode attention's arithmetic on the GPU: f64 (the CPU engine's numerics: the same scores to "
-        "~1e-16), f32 (faster where f64 is slow), or auto: f64 on GPUs with full-rate f64 (V100, A100, "
-        "H100, H200, B200), f32 on the others (GeForce, RTX workstation, L4/L40: f64 at 1/64 of f32).",
+        "~1e-16), f32 (faster where f64 is slow), or auto: f64 on GPUs with full-rate f64 (A100, H100, "
+        "H200, B200), f32 on the others (GeForce, RTX workstation, L4/L40: f64 at 1/64 of f32).",
         _parse_attention),
     Opt("warm_weights", "--warm-weights", "DS4PY_WARM_WEIGHTS", "bool", False, "",
         "Fault the whole file into the page cache before loading (MADV_POPULATE_READ, with progress)."),
