@@ -519,7 +519,8 @@ class CudaEngine:
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
             else:
-                partial = ops.attention_partial if b.attention == "f64" else ops.attention_partial_f32
+                partial = ((ops.attention_partial_tc if ops.ATTN_TC else ops.attention_partial)
+                           if b.attention == "f64" else ops.attention_partial_f32)
                 partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)

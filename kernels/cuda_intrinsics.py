@@ -23,6 +23,11 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   B 16 x 8 as two f16x2 words (b0: rows 2(lane%4) + 0/1 of column lane/4; b1: rows + 8), C/D the
   thread's four f32 (rows lane/4 and lane/4 + 8, columns 2(lane%4) + 0/1). The lower-indexed
   element of each pair is the word's low half.
+* ``mma_f64_acc(a, b, c0, c1)``: one warp-wide f64 tensor-core product added to f64 accumulators
+  (PTX mma.sync.m8n8k4.row.col.f64.f64.f64.f64, sm_80+): A 8 x 4 row-major (a: row lane/4,
+  column lane%4), B 4 x 8 (b: row lane%4, column lane/4), C/D the thread's two f64 (row lane/4,
+  columns 2(lane%4) + 0/1). In the simulator D = A @ B + C in numpy's f64 (the tensor core's
+  order of the four products differs: ~1e-16).
 * ``pack_f16x2(x0, x1)``: two f32 rounded to f16 (round to nearest even) in one word, x0 in the
   low half (PTX cvt.rn.f16x2.f32, whose first source goes to the upper half).
 * ``split_f16x2(x0, x1)``: the pair as hi + lo f16 words: hi = pack_f16x2(x0, x1) and lo the
@@ -89,8 +94,9 @@ Numba widens every integer operation on 32-bit values to 64 bits; these keep the
 bit-twiddling in 32-bit registers (half the instructions of the widened code).
 
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) custom intrinsics cannot run, so plain-Python
-versions with the same results are used instead. mma_f16_acc gathers the warp's fragments at the
-simulated block barrier (so every thread of the block must make the same calls); mma_s8 has none.
+versions with the same results are used instead. mma_f16_acc and mma_f64_acc gather the warp's
+fragments at the simulated block barrier (so every thread of the block must make the same calls);
+mma_s8 has none.
 """
 
 from . import compat  # noqa: F401  (numpy shim before numba.cuda loads)
@@ -192,6 +198,23 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         lane = threading.current_thread().thread_id % 32
         g, c = lane >> 2, lane & 3
         return D[g, 2 * c], D[g, 2 * c + 1], D[g + 8, 2 * c], D[g + 8, 2 * c + 1]
+
+    def mma_f64_acc(a, b, c0, c1):
+        """The warp's m8n8k4 f64 product from the PTX fragment layout (module docstring)."""
+        lanes = _warp_gather((a, b, c0, c1))
+        A = np.zeros((8, 4))
+        B = np.zeros((4, 8))
+        C = np.zeros((8, 8))
+        for lane, v in enumerate(lanes):
+            g, c = lane >> 2, lane & 3
+            A[g, c] = v[0]
+            B[c, g] = v[1]
+            C[g, 2 * c], C[g, 2 * c + 1] = v[2], v[3]
+        D = A @ B + C
+        import threading
+        lane = threading.current_thread().thread_id % 32
+        g, c = lane >> 2, lane & 3
+        return np.float64(D[g, 2 * c]), np.float64(D[g, 2 * c + 1])
 
     def pack_f16x2(x0, x1):
         return np.uint32(_f16_bits(x0) | (_f16_bits(x1) << 16))
@@ -396,6 +419,24 @@ else:
             return context.make_tuple(builder, signature.return_type, parts)
 
         return types.UniTuple(types.float32, 4)(*(words + accs)), codegen
+
+    _MMA_F64 = "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {$0, $1}, {$2}, {$3}, {$4, $5};"
+
+    @intrinsic
+    def mma_f64_acc(typingctx, a, b, c0, c1):
+        args = (a, b, c0, c1)
+        if not all(isinstance(t, types.Float) for t in args):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            vals = [context.cast(builder, v, t, types.float64) for v, t in zip(llargs, signature.args)]
+            f64 = ir.DoubleType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f64] * 2), [f64] * 4)
+            res = builder.call(ir.InlineAsm(fnty, _MMA_F64, "=d,=d,d,d,d,d"), vals)
+            parts = [builder.extract_value(res, i) for i in range(2)]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return types.UniTuple(types.float64, 2)(*args), codegen
 
     def _f32_pair_asm(name, n_out, asm, constraints):
         """An intrinsic of two f32 operands computed by the inline PTX `asm` into n_out 32-bit

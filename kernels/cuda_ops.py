@@ -33,7 +33,8 @@ from numba.cuda import config as numba_config
 from ds4py.kernels import numerics
 from ds4py.kernels.disk_cache import cached_jit
 from ds4py.kernels.cuda_intrinsics import (add_rn, forceinline, halves_hi, halves_lo, ld_f32x4_pick, ld_quad,
-                                           mma_f16_acc, mul_rn, pack_f16x2, pdl_enter, split_f16x2)
+                                           mma_f16_acc, mma_f64_acc, mul_rn, pack_f16x2, pdl_enter,
+                                           split_f16x2)
 
 BLOCK = 256              # threads for the single-block and per-head kernels
 BLOCK2 = 2 * BLOCK       # the compressor's block (head_dim up to 512)
@@ -1812,14 +1813,28 @@ def store_acc(acc, part_acc, group, split, head_dim):
                     out[uint64(d)] = acc[4 * hh + j]
 
 
-def _attention_partial_kernel(FT):
+def _attention_partial_kernel(FT, TC=False):
     """attention_partial with its scores, softmax and sums in FT: float64, the CPU twin's numerics
     (the scores are f64 sums of exact products, so the engines differ by ~1e-16 before the one
     rounding in attention_combine), or float32 for GPUs whose f64 runs at 1/32-1/64 of f32
     (every GeForce and workstation card: there f64 scores cost ~2.8 ms a token at 640 rows;
-    io/detect.decode_attention chooses). The combine reads either partials in f64."""
-    blocks_per_sm = 1 if FT == float64 else 2       # see the launch bounds comment above
+    io/detect.decode_attention chooses). The combine reads either partials in f64.
+
+    TC (float64 only): the scores and the sums on the f64 tensor cores (mma.m8n8k4, A 8 x 4 by
+    B 4 x 8, the 8 rows the group's heads). The CUDA-core kernel converts every row value to f64
+    four times a tile (twice in the scores, once per half of the heads; twice in the sums, once
+    per quad) at 16 conversions a clock per SM, as many cycles as its DFMAs; here each value is
+    converted once per phase and the products run at the tensor cores' rate. The sums meet in
+    another order (each mma adds 4 products; the 8 warps' partial scores meet in a fixed tree):
+    the same values to ~1e-16, as the CPU twin's."""
+    assert FT == float64 or not TC
+    blocks_per_sm = 1 if FT == float64 and not TC else 2       # see the launch bounds comment above
     jit_options = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (ATTN_THREADS, blocks_per_sm)}
+    # TC: the staged rows padded by 8 halves (16 bytes) and the score rows by one value, so that the
+    # fragments' shared loads are free of bank conflicts; scratch holds the warps' partial scores
+    ROWS_SHAPE = (ATTN_TILE, ATTN_MAX_DIM + 8) if TC else (ATTN_TILE, ATTN_MAX_DIM)
+    SCORES_SHAPE = (ATTN_HEADS, ATTN_TILE + 1) if TC else (ATTN_HEADS, ATTN_TILE)
+    SCRATCH_SIZE = 4 * 32 * 8 if TC else ATTN_THREADS     # TC: also the tree of partial scores
 
     @cuda.jit(device=True)
     def score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch):
@@ -1894,6 +1909,116 @@ def _attention_partial_kernel(FT):
         store_acc(acc, part_acc, group, split, head_dim)
 
     @cuda.jit(device=True)
+    def load_q_frag(q, group, head_dim, q_frag):
+        """TC: the scores' A fragments of this lane, once per block: q of head 8 group + lane / 4 at
+        dims 64 w + 4 s + lane % 4 (s < 16; warp w takes dims 64 w .. 64 w + 63), in f64; 0 past the
+        last head and past head_dim."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        n_head = q.shape[0] // head_dim
+        head = group * ATTN_HEADS + (lane >> 2)
+        for s in range(16):
+            d = 64 * warp + 4 * s + (lane & 3)
+            q_frag[s] = float64(0.0)
+            if head < n_head and d < head_dim:
+                q_frag[s] = float64(q[uint64(head * head_dim + d)])
+
+    @cuda.jit(device=True)
+    def score_tile_tc(rows, q_frag, inv_sqrt, scores, partial):
+        """TC: scores[h, t] = q_h · row_t / sqrt(head_dim). Warp w: its 64 dims in 16 mma k-steps for
+        each block of 8 slots (B = the rows' values: column = slot 8 rb + lane / 4, k = dim); lane
+        (g, c) = (lane / 4, lane % 4) then holds head g at slots 8 rb + 2 c, + 1. The 8 warps' partial
+        dots meet in a fixed tree through `partial` (w + 4, then w + 2, then w + 1 into w; [4, 32, 8]
+        flat)."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane >> 2
+        c = lane & 3
+        acc = cuda.local.array(8, float64)
+        for k in range(8):
+            acc[k] = float64(0.0)
+        for rb in range(ATTN_TILE // 8):
+            for s in range(16):
+                b = float64(rows[uint64(8 * rb + g), uint64(64 * warp + 4 * s + c)])
+                acc[2 * rb], acc[2 * rb + 1] = mma_f64_acc(q_frag[s], b, acc[2 * rb], acc[2 * rb + 1])
+        for half in (4, 2, 1):
+            if half <= warp < 2 * half:
+                for k in range(8):
+                    partial[uint64(256 * (warp - half) + 8 * lane + k)] = acc[k]
+            cuda.syncthreads()
+            if warp < half:
+                for k in range(8):
+                    acc[k] += partial[uint64(256 * warp + 8 * lane + k)]
+            cuda.syncthreads()
+        if warp == 0:
+            for rb in range(ATTN_TILE // 8):
+                for i in range(2):
+                    scores[g, 8 * rb + 2 * c + i] = acc[2 * rb + i] * inv_sqrt
+
+    @cuda.jit(device=True)
+    def store_acc_tc(acc, part_acc, group, split, head_dim):
+        """TC: this lane's 16 sums (head 8 group + lane / 4 at dims 64 w + 8 nb + 2 (lane % 4), + 1)
+        into part_acc[:, split]."""
+        n_head = part_acc.shape[0]
+        lane = cuda.threadIdx.x % 32
+        head = group * ATTN_HEADS + (lane >> 2)
+        if head < n_head:
+            out = part_acc[head, split]
+            for nb in range(8):
+                for i in range(2):
+                    d = 64 * (cuda.threadIdx.x // 32) + 8 * nb + 2 * (lane & 3) + i
+                    if d < head_dim:
+                        out[uint64(d)] = acc[2 * nb + i]
+
+    @cuda.jit(device=True)
+    def accumulate_tile_tc(rows, weights, rescale, first, part_acc, group, split, head_dim):
+        """TC: part_acc[h, split, d] = previous value·rescale[h] + Σ_t weight[h, t]·row_t[d]. Warp w:
+        its 64 dims as 8 column blocks, each over the 32 slots in 8 mma k-steps (A = the weights,
+        rows = heads, k = slot; B = the rows' values, column = dim)."""
+        warp = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane >> 2
+        c = lane & 3
+        n_head = part_acc.shape[0]
+        head = group * ATTN_HEADS + g
+        out = part_acc[min(head, n_head - 1), split]
+        acc = cuda.local.array(16, float64)
+        for nb in range(8):
+            for i in range(2):
+                d = 64 * warp + 8 * nb + 2 * c + i
+                acc[2 * nb + i] = float64(0.0)
+                if not first and head < n_head and d < head_dim:
+                    acc[2 * nb + i] = out[uint64(d)] * rescale[g]
+        for ks in range(ATTN_TILE // 4):
+            a = weights[uint64(g), uint64(4 * ks + c)]
+            for nb in range(8):
+                b = float64(rows[uint64(4 * ks + c), uint64(64 * warp + 8 * nb + g)])
+                acc[2 * nb], acc[2 * nb + 1] = mma_f64_acc(a, b, acc[2 * nb], acc[2 * nb + 1])
+        store_acc_tc(acc, part_acc, group, split, head_dim)
+
+    @cuda.jit(device=True)
+    def attend_tiles_tc(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
+                        first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
+        """attend_tiles on the tensor cores (scratch: also the warps' partial scores)."""
+        m_run = float64(NEG_INF)
+        den_run = float64(0.0)
+        inv_sqrt = float64(float32(1.0 / math.sqrt(head_dim)))     # the CPU engine's f32 attn_scale
+        q_frag = cuda.local.array(16, float64)
+        load_q_frag(q, group, head_dim, q_frag)
+        for tile_begin in range(begin, end, ATTN_TILE):
+            n_tile = min(ATTN_TILE, end - tile_begin)
+            stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
+                       use_selected, head_dim)
+            cuda.syncthreads()
+            score_tile_tc(rows, q_frag, inv_sqrt, scores, scratch)
+            cuda.syncthreads()
+            m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
+            cuda.syncthreads()
+            accumulate_tile_tc(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
+            cuda.syncthreads()
+        return m_run, den_run
+
+    @cuda.jit(device=True)
     def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
                      first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
         """The group's heads over visible rows begin .. end-1, tile by tile, with an online softmax:
@@ -1913,6 +2038,9 @@ def _attention_partial_kernel(FT):
             accumulate_tile(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
             cuda.syncthreads()
         return m_run, den_run
+
+    attend = attend_tiles_tc if TC else attend_tiles
+    store_partial = store_acc_tc if TC else store_acc
 
     @cuda.jit(device=True)
     def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
@@ -1937,11 +2065,11 @@ def _attention_partial_kernel(FT):
         if head_dim == ATTN_MAX_DIM:
             # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
             # clamps fold away and each row's loads are constant offsets from one address
-            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+            m_run, den_run = attend(q, raw_cache, comp_cache, selected, use_selected, group, split,
                                           begin, end, n_raw, first_raw, ATTN_MAX_DIM, part_acc, rows,
                                           scores, rescale, scratch)
         else:
-            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
+            m_run, den_run = attend(q, raw_cache, comp_cache, selected, use_selected, group, split,
                                           begin, end, n_raw, first_raw, head_dim, part_acc, rows,
                                           scores, rescale, scratch)
         n_head = part_max.shape[0]
@@ -1953,7 +2081,7 @@ def _attention_partial_kernel(FT):
             zeros = cuda.local.array(16, FT)
             for k in range(16):
                 zeros[k] = FT(0.0)
-            store_acc(zeros, part_acc, group, split, head_dim)
+            store_partial(zeros, part_acc, group, split, head_dim)
 
     @cached_jit(**jit_options)
     def attention_partial(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
@@ -1967,10 +2095,10 @@ def _attention_partial_kernel(FT):
         [T, n_head, n_splits(, head_dim)] in FT; it sees the rows visible at pos_buf[t] (the raw ring
         must hold the chunk's rows without overwriting the window)."""
         pdl_enter()
-        rows = cuda.shared.array((ATTN_TILE, ATTN_MAX_DIM), float16)   # the staged tile
-        scores = cuda.shared.array((ATTN_HEADS, ATTN_TILE), FT)     # then the exp weights
+        rows = cuda.shared.array(ROWS_SHAPE, float16)        # the staged tile
+        scores = cuda.shared.array(SCORES_SHAPE, FT)         # then the exp weights
         rescale = cuda.shared.array(ATTN_HEADS, FT)
-        scratch = cuda.shared.array(ATTN_THREADS, FT)       # lane_swap in the simulator only
+        scratch = cuda.shared.array(SCRATCH_SIZE, FT)        # lane_swap in the simulator (and TC's tree)
         attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
                         use_selected, head_dim, part_max_all, part_den_all, part_acc_all, rows, scores,
                         rescale, scratch)
@@ -1980,6 +2108,8 @@ def _attention_partial_kernel(FT):
 
 attention_partial = _attention_partial_kernel(float64)        # the default: the CPU twin's numerics
 attention_partial_f32 = _attention_partial_kernel(float32)    # GPUs without full-rate f64 (--attention)
+attention_partial_tc = _attention_partial_kernel(float64, TC=True)    # f64 on the tensor cores: ATTN_TC
+ATTN_TC = False          # decode attention in f64 on the tensor cores (attention_partial_tc); not yet timed
 
 
 # ---- prefill attention on the tensor cores -------------------------------------------------------

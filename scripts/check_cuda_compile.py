@@ -48,6 +48,7 @@ sigs = {
  "attention_partial": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f64a3, f64a3, f64a4),
  # GPUs without full-rate f64 (--attention): f32 sums and partials
  "attention_partial_f32": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f32a3, f32a3, f32a4),
+ "attention_partial_tc": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, i64, f64a3, f64a3, f64a4),
  # the prefill kernel's partials are f32 (its sums are; forward_cuda.prefill_attention_mma)
  "attention_prefill_mma": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),
  "attention_prefill_mma_no_prefetch": (f32a2, f32a2, f32a2, i32a2, i32a, i32a, i64, i64, b1, f32a3, f32a3, f32a4),

@@ -198,13 +198,14 @@ def check_qat_and_rope(n_tok):
 
 
 def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows, selected, n_splits,
-                   n_group=1, cap=None, f32=False):
+                   n_group=1, cap=None, f32=False, tc=False):
     """attention_partial + attention_combine for len(positions) tokens in one launch (token t at
     positions[t], sharing the caches), each against the float64 sink attention of the reference.
     The caches hold f16-rounded values, as kv_finish and compressor_step leave them (the kernel
     stages rows in f16). The output is group-major [n_group, T, heads per group · head_dim].
     f32: attention_partial_f32 (f32 scores and sums, f32 partials; GPUs without full-rate f64),
-    against the reference only (the CPU twin's bits are the f64 kernel's)."""
+    against the reference only (the CPU twin's bits are the f64 kernel's). tc: attention_partial_tc
+    (f64 on the tensor cores, its sums in another order), against the reference within 1e-6."""
     n_rot = 64
     n_tok = len(positions)
     cap = cap or n_swa
@@ -228,7 +229,8 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
     part_acc = cuda.device_array((n_tok, n_head, n_splits, head_dim), part_t)
     d_pos = cuda.to_device(np.asarray(positions, np.int32))
     grid = ((n_head + ops.ATTN_HEADS - 1) // ops.ATTN_HEADS, n_splits, n_tok)
-    (ops.attention_partial_f32 if f32 else ops.attention_partial)[grid, ops.ATTN_THREADS](
+    kernel = ops.attention_partial_f32 if f32 else ops.attention_partial_tc if tc else ops.attention_partial
+    kernel[grid, ops.ATTN_THREADS](
         cuda.to_device(q), cuda.to_device(raw), cuda.to_device(comp), cuda.to_device(sel),
         cuda.to_device(np.array([len(sl) for sl in sels], np.int32)), d_pos, n_swa, ratio, use_selected, head_dim,
         part_max, part_den, part_acc)
@@ -247,8 +249,9 @@ def attention_case(name, n_head, head_dim, n_swa, positions, ratio, n_comp_rows,
         want = [rope.apply(ref.sink_attention(q[t].reshape(n_head, head_dim)[h].astype(np.float64)[None, :], rows,
                                               sinks[h:h + 1].astype(np.float64), head_dim), pos, inverse=True)[0]
                 for h in range(n_head)]
-        close(f"sink attention, {name} (T={n_tok} t={t}, {len(rows)} rows)", got[t], np.concatenate(want), 1e-5)
-        if f32:
+        close(f"sink attention, {name} (T={n_tok} t={t}, {len(rows)} rows)", got[t], np.concatenate(want),
+              1e-6 if tc else 1e-5)
+        if f32 or tc:
             continue
         # the CPU engine's twin (f64 scores and sums, one rounding, then the f64 inverse RoPE): same bits
         twin = cpu_ops.sink_attention(q[t].reshape(n_head, head_dim), raw, (pos + 1 - n_raw) % cap, n_raw, comp,
@@ -271,6 +274,11 @@ def check_attention():
     # the f32 kernel (--attention f32): the selection over splits, a chunk
     attention_case("selected, f32", 3, 128, 8, [21], 4, 10, [[0, 2, 3]], 3, f32=True)
     attention_case("chunk, f32", 4, 128, 8, [9, 10, 11], 4, 3, [[0, 1], [1], [0, 2]], 1, n_group=2, cap=11, f32=True)
+    # f64 on the tensor cores (ATTN_TC): the selection, several tiles of the model's head_dim, a chunk
+    attention_case("selected, tensor cores", 3, 128, 8, [21], 4, 10, [[0, 2, 3]], 3, tc=True)
+    attention_case("several tiles, tensor cores", 8, 512, 40, [300], 4, 75, None, 2, tc=True)
+    attention_case("chunk, tensor cores", 4, 128, 8, [9, 10, 11], 4, 3, [[0, 1], [1], [0, 2]], 1, n_group=2,
+                   cap=11, tc=True)
 
 
 def check_attention_mma():

@@ -128,6 +128,24 @@ def test_f32_attention_stays_within_the_f32_spread(model, cpu_logits):
     source.close()
 
 
+def test_tensor_core_attention_keeps_the_cpu_engines_numerics(model, cpu_logits, monkeypatch):
+    """ops.ATTN_TC: the f64 decode attention on the tensor cores (mma.m8n8k4; its sums in another
+    order than the CUDA-core kernel's, ~1e-16 apart) meets the GPU-vs-CPU bar of
+    test_gpu_logits_match_cpu_engine at every checked position."""
+    from ds4py.kernels import cuda_ops as ops
+    monkeypatch.setattr(ops, "ATTN_TC", True)
+    tokens, want = cpu_logits
+    engine, source = _engine(model, "device", attention="f64")
+    got = _decode_all(engine, tokens, CHECK_POSITIONS)
+    report = []
+    for pos in CHECK_POSITIONS:
+        ok, _, _, line = _close(got[pos], want[pos], exact_numerics=True)
+        report.append(f"pos {pos}: {line}")
+        assert ok, "\n".join(report)
+    print("\n".join(report))
+    source.close()
+
+
 def _decode_configured(model, tokens, configure):
     """Logits at every position of a device-resident engine that configure(engine) set up first."""
     engine, source = _engine(model, "device")
