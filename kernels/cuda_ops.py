@@ -1910,7 +1910,7 @@ def _attention_partial_kernel(FT, TC=False):
 
     @cuda.jit(device=True)
     def load_q_frag(q, group, head_dim, q_frag):
-        """TC: the scores' A fragments of this lane, once per block: q of head 8 group + lane / 4 at
+        """TC: the scores' A fragments of this lane: q of head 8 group + lane / 4 at
         dims 64 w + 4 s + lane % 4 (s < 16; warp w takes dims 64 w .. 64 w + 63), in f64; 0 past the
         last head and past head_dim."""
         warp = cuda.threadIdx.x // 32
@@ -1924,8 +1924,9 @@ def _attention_partial_kernel(FT, TC=False):
                 q_frag[s] = float64(q[uint64(head * head_dim + d)])
 
     @cuda.jit(device=True)
-    def score_tile_tc(rows, q_frag, inv_sqrt, scores, partial):
-        """TC: scores[h, t] = q_h · row_t / sqrt(head_dim). Warp w: its 64 dims in 16 mma k-steps for
+    def score_tile_tc(rows, q, group, head_dim, inv_sqrt, scores, partial):
+        """TC: scores[h, t] = q_h · row_t / sqrt(head_dim) (score_tile's arguments; `partial` is its
+        scratch). Warp w: its 64 dims in 16 mma k-steps for
         each block of 8 slots (B = the rows' values: column = slot 8 rb + lane / 4, k = dim); lane
         (g, c) = (lane / 4, lane % 4) then holds head g at slots 8 rb + 2 c, + 1. The 8 warps' partial
         dots meet in a fixed tree through `partial` (w + 4, then w + 2, then w + 1 into w; [4, 32, 8]
@@ -1934,6 +1935,8 @@ def _attention_partial_kernel(FT, TC=False):
         lane = cuda.threadIdx.x % 32
         g = lane >> 2
         c = lane & 3
+        q_frag = cuda.local.array(16, float64)
+        load_q_frag(q, group, head_dim, q_frag)
         acc = cuda.local.array(8, float64)
         for k in range(8):
             acc[k] = float64(0.0)
@@ -1996,27 +1999,9 @@ def _attention_partial_kernel(FT, TC=False):
                 acc[2 * nb], acc[2 * nb + 1] = mma_f64_acc(a, b, acc[2 * nb], acc[2 * nb + 1])
         store_acc_tc(acc, part_acc, group, split, head_dim)
 
-    @cuda.jit(device=True)
-    def attend_tiles_tc(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
-                        first_raw, head_dim, part_acc, rows, scores, rescale, scratch):
-        """attend_tiles on the tensor cores (scratch: also the warps' partial scores)."""
-        m_run = float64(NEG_INF)
-        den_run = float64(0.0)
-        inv_sqrt = float64(float32(1.0 / math.sqrt(head_dim)))     # the CPU engine's f32 attn_scale
-        q_frag = cuda.local.array(16, float64)
-        load_q_frag(q, group, head_dim, q_frag)
-        for tile_begin in range(begin, end, ATTN_TILE):
-            n_tile = min(ATTN_TILE, end - tile_begin)
-            stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
-                       use_selected, head_dim)
-            cuda.syncthreads()
-            score_tile_tc(rows, q_frag, inv_sqrt, scores, scratch)
-            cuda.syncthreads()
-            m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
-            cuda.syncthreads()
-            accumulate_tile_tc(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
-            cuda.syncthreads()
-        return m_run, den_run
+    score = score_tile_tc if TC else score_tile
+    accumulate = accumulate_tile_tc if TC else accumulate_tile
+    store_partial = store_acc_tc if TC else store_acc
 
     @cuda.jit(device=True)
     def attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split, begin, end, n_raw,
@@ -2031,16 +2016,13 @@ def _attention_partial_kernel(FT, TC=False):
             stage_tile(rows, tile_begin, n_tile, n_raw, first_raw, raw_cache, comp_cache, selected,
                        use_selected, head_dim)
             cuda.syncthreads()
-            score_tile(rows, q, group, head_dim, inv_sqrt, scores, scratch)
+            score(rows, q, group, head_dim, inv_sqrt, scores, scratch)
             cuda.syncthreads()
             m_run, den_run = softmax_tile(scores, n_tile, m_run, den_run, rescale, scratch)
             cuda.syncthreads()
-            accumulate_tile(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
+            accumulate(rows, scores, rescale, tile_begin == begin, part_acc, group, split, head_dim)
             cuda.syncthreads()
         return m_run, den_run
-
-    attend = attend_tiles_tc if TC else attend_tiles
-    store_partial = store_acc_tc if TC else store_acc
 
     @cuda.jit(device=True)
     def attention_range(q_all, raw_cache, comp_cache, selected_all, n_selected, pos_buf, n_swa, ratio,
@@ -2065,11 +2047,11 @@ def _attention_partial_kernel(FT, TC=False):
         if head_dim == ATTN_MAX_DIM:
             # the model's heads: a copy of the tile loop where head_dim is a constant, so the padding
             # clamps fold away and each row's loads are constant offsets from one address
-            m_run, den_run = attend(q, raw_cache, comp_cache, selected, use_selected, group, split,
+            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
                                           begin, end, n_raw, first_raw, ATTN_MAX_DIM, part_acc, rows,
                                           scores, rescale, scratch)
         else:
-            m_run, den_run = attend(q, raw_cache, comp_cache, selected, use_selected, group, split,
+            m_run, den_run = attend_tiles(q, raw_cache, comp_cache, selected, use_selected, group, split,
                                           begin, end, n_raw, first_raw, head_dim, part_acc, rows,
                                           scores, rescale, scratch)
         n_head = part_max.shape[0]

@@ -91,17 +91,24 @@ def _engine(model, regime, n_ctx=256, pdl=True, attention="auto", **kw):
     return CudaEngine(model, source, n_ctx, pdl=pdl, attention=attention), source
 
 
-def test_gpu_logits_match_cpu_engine(model, cpu_logits):
+def _check_against_cpu(model, cpu_logits, exact_numerics, **engine_kw):
+    """Decode logits of a device-resident engine at CHECK_POSITIONS against the CPU engine's,
+    each within _close's bar; returns the engine (its source closed)."""
     tokens, want = cpu_logits
-    engine, source = _engine(model, "device")
+    engine, source = _engine(model, "device", **engine_kw)
     got = _decode_all(engine, tokens, CHECK_POSITIONS)
+    source.close()
     report = []
     for pos in CHECK_POSITIONS:
-        ok, _, _, line = _close(got[pos], want[pos], exact_numerics=True)
+        ok, _, _, line = _close(got[pos], want[pos], exact_numerics=exact_numerics)
         report.append(f"pos {pos}: {line}")
         assert ok, "\n".join(report)
     print("\n".join(report))
-    source.close()
+    return engine
+
+
+def test_gpu_logits_match_cpu_engine(model, cpu_logits):
+    _check_against_cpu(model, cpu_logits, True)
 
 
 def test_f32_attention_stays_within_the_f32_spread(model, cpu_logits):
@@ -112,20 +119,11 @@ def test_f32_attention_stays_within_the_f32_spread(model, cpu_logits):
     from numba import cuda
 
     from ds4py.io.detect import decode_attention
-    tokens, want = cpu_logits
-    engine, source = _engine(model, "device", attention="f32")
-    auto, auto_source = _engine(model, "device")
+    engine = _check_against_cpu(model, cpu_logits, False, attention="f32")
     assert not engine.attention_f64
-    assert auto.attention_f64 == decode_attention("auto", cuda.get_current_device().compute_capability)[0]
+    auto, auto_source = _engine(model, "device")
     auto_source.close()
-    got = _decode_all(engine, tokens, CHECK_POSITIONS)
-    report = []
-    for pos in CHECK_POSITIONS:
-        ok, _, _, line = _close(got[pos], want[pos])
-        report.append(f"pos {pos}: {line}")
-        assert ok, "\n".join(report)
-    print("\n".join(report))
-    source.close()
+    assert auto.attention_f64 == decode_attention("auto", cuda.get_current_device().compute_capability)[0]
 
 
 def test_tensor_core_attention_keeps_the_cpu_engines_numerics(model, cpu_logits, monkeypatch):
@@ -134,16 +132,7 @@ def test_tensor_core_attention_keeps_the_cpu_engines_numerics(model, cpu_logits,
     test_gpu_logits_match_cpu_engine at every checked position."""
     from ds4py.kernels import cuda_ops as ops
     monkeypatch.setattr(ops, "ATTN_TC", True)
-    tokens, want = cpu_logits
-    engine, source = _engine(model, "device", attention="f64")
-    got = _decode_all(engine, tokens, CHECK_POSITIONS)
-    report = []
-    for pos in CHECK_POSITIONS:
-        ok, _, _, line = _close(got[pos], want[pos], exact_numerics=True)
-        report.append(f"pos {pos}: {line}")
-        assert ok, "\n".join(report)
-    print("\n".join(report))
-    source.close()
+    _check_against_cpu(model, cpu_logits, True, attention="f64")
 
 
 def _decode_configured(model, tokens, configure):
