@@ -2192,11 +2192,12 @@ def _first_unit(rpb, n_ff, n_used, warp):
 
 @_inline
 def _next_unit(r, k, nwarps, n_used):
-    """(row, slot) nwarps units further on, without a division per unit."""
-    k += nwarps
+    """(row, slot) nwarps units further on, without a division per unit, in 32-bit integers
+    (numba widens int32 arithmetic to 64 bits: each compare or step would be a pair)."""
+    k = int32(k + nwarps)
     while k >= n_used:
-        k -= n_used
-        r += 1
+        k = int32(k - n_used)
+        r = int32(r + 1)
     return r, k
 
 
@@ -2473,10 +2474,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
                     n_kept = int32(0)
             elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            k = int32(k + nwarps)                       # _next_unit, in 32 bits
-            while k >= n_slots:
-                k = int32(k - n_slots)
-                r = int32(r + 1)
+            r, k = _next_unit(r, k, nwarps, n_slots)
             unit = int32(unit + nwarps)
         if DEFER and lane32 < n_kept:
             mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])

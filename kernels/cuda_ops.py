@@ -1680,8 +1680,9 @@ ATTN_MAX_ROWS = 32768    # rows per head the engine allows; correct beyond (tile
 COMBINE_THREADS = 128    # attention_combine: one (head, 256 dims) per block, two dims per thread
 # attention_partial's launch bounds (_attention_partial_kernel): in f64 (the CPU twin's numerics)
 # it needs 245 registers, so one block per SM; capped at 128 for two it spilled 904 bytes (ptxas,
-# scripts/check_cuda_compile.py --ptxas); in f32 two blocks per SM, 168 bytes spilled. The
-# simulator's jit takes no launch bounds.
+# scripts/check_cuda_compile.py --ptxas); in f32 two blocks per SM, 168 bytes spilled; in f64 on
+# the tensor cores two blocks per SM, 128 registers, no spills. The simulator's jit takes no
+# launch bounds.
 
 
 @cuda.jit(device=True)
