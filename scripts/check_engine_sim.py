@@ -1,7 +1,8 @@
 """The GPU engine's wiring, run in Numba's CUDA simulator against the CPU engine.
 
 Run by hand (minutes on a laptop): `NUMBA_ENABLE_CUDASIM=1 python scripts/check_engine_sim.py [N]`
-compares the first N positions (`--attention f32`: with the f32 decode attention); `... check_engine_sim.py prefill [N] [CHUNK]` prefills N tokens
+compares the first N positions (`--attention f32`: with the f32 decode attention);
+`... check_engine_sim.py prefill [N] [CHUNK]` prefills N tokens
 with the batched path (chunks of CHUNK) and compares the last logits with the CPU engine and with
 N token-by-token decodes, then one decode after the prefill. The quantized matvecs use
 dp4a intrinsics that the simulator cannot run, so they are replaced here by host computations
