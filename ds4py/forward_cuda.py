@@ -86,11 +86,9 @@ def fill_device(array, value, stream) -> None:
     array.copy_to_device(host, stream=stream)
 
 
-def decode_attention_f64(choice: str) -> bool:
-    """--attention: attention_partial's arithmetic on this GPU, f64 (the CPU engine's numerics) or
-    f32 (io/detect.decode_attention; the simulator counts as a full-rate GPU)."""
-    cc = (9, 0) if numba_config.ENABLE_CUDASIM else cuda.get_current_device().compute_capability
-    return decode_attention(choice, cc)[0]
+def compute_capability() -> tuple[int, int]:
+    """This GPU's (major, minor); the simulator counts as an H100 / H200."""
+    return (9, 0) if numba_config.ENABLE_CUDASIM else tuple(cuda.get_current_device().compute_capability)
 
 
 def prefill_attention_mma(spec, n_tok: int, n_splits: int) -> bool:
@@ -117,7 +115,7 @@ class Scratch:
         self.hc_chunk = ops.hc_chunk(s.n_embd)
         n_chunks = s.n_hc * s.n_embd // self.hc_chunk
         # the attention kernel of these buffers: the tensor-core prefill kernel, or attention_partial
-        # in f64 or f32 (decode_attention_f64); the partials are in its arithmetic
+        # in f64 or f32 (--attention: io/detect.decode_attention); the partials are in its arithmetic
         self.attention = ("mma" if prefill_attention_mma(s, n_tok, n_splits)
                           else "f64" if attention_f64 else "f32")
         part_t = np.float64 if self.attention == "f64" else np.float32
@@ -253,7 +251,8 @@ class CudaEngine:
         # its attention runs, and none may overwrite a row an earlier token of the chunk still reads
         self.layers = [LayerState(s, il, n_ctx, s.n_swa + self.prefill_chunk) for il in range(s.n_layer)]
         self.max_rows = s.compressed_rows(n_ctx, 4)
-        self.attention_f64 = decode_attention_f64(attention)
+        self.compute_capability = compute_capability()
+        self.attention_f64 = decode_attention(attention, self.compute_capability)[0]   # --attention
         self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS, self.attention_f64)
         self.buf = self.scratch.view(1)
         self._prefill_scratch = None        # allocated by the first batched prefill
@@ -519,8 +518,7 @@ class CudaEngine:
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
             else:
-                partial = ((ops.attention_partial_tc if ops.ATTN_TC else ops.attention_partial)
-                           if b.attention == "f64" else ops.attention_partial_f32)
+                partial = ops.decode_attention_kernel(b.attention == "f64", self.compute_capability)
                 partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)
