@@ -489,7 +489,7 @@ def run(model: Optional[Path] = typer.Option(None, "-m", "--model", help="GGUF t
     loaded = open_engine(m, weights, log=say)
     try:
         attention = ""
-        if loaded.kind == "cuda":      # --attention auto resolved for this GPU (forward_cuda.decode_attention_f64)
+        if loaded.kind == "cuda":      # --attention auto resolved for this GPU (CudaEngine.attention_f64)
             attention = f", attention {'f64' if loaded.engine.attention_f64 else 'f32'}"
         console.print(f"ds4py: {path.name}: {loaded.kind.upper()} engine, ctx {weights.n_ctx}{attention}",
                       highlight=False)

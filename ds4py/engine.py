@@ -73,14 +73,19 @@ def kernel_plan_text(plan: dict) -> str:
     return "a shape not run before: compiled at first use (once)"
 
 
-def compile_ahead(model, jobs: int, target: str = "cuda", *, progress=True, log=None) -> None:
+def compile_ahead(model, jobs: int, target: str = "cuda", *, attention_f64: bool = True, progress=True,
+                  log=None) -> None:
     """The kernels a model of this shape built on target in an earlier run (or the package's
     manifest lists), compiled into the disk cache by worker processes unless they are already there
-    (see kernel_plan); a first run of a new shape compiles at first use."""
+    (see kernel_plan); a first run of a new shape compiles at first use. attention_f64: the decode
+    attention's arithmetic on this GPU (--attention resolved), whose kernel the workers compile
+    whichever one the manifest names."""
     from ds4py.kernels import precompile
     plan, kernels = _plan_and_kernels(model, jobs, target)
     if not plan["ahead"]:
         return
+    if target == "cuda":
+        kernels = precompile.with_decode_attention(kernels, attention_f64)
     key, jobs = plan["key"], plan["jobs"]
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _count_bar(progress, f"compiling kernels ({jobs} processes)", len(kernels)) as advance:
@@ -109,10 +114,13 @@ def _count_bar(enabled, description: str, total: int):
 
 def open_engine(model, weights, *, progress=True, log=None) -> Loaded:
     """Decide the regime, load the weights and build the matching engine."""
+    from ds4py.io.detect import decode_attention
     from ds4py.io.sources import load_weights
 
     def before_open(decision):
-        compile_ahead(model, weights.compile_jobs, kernel_target(decision.regime), progress=progress, log=log)
+        cc = decision.gpu.compute_capability if decision.gpu else None
+        compile_ahead(model, weights.compile_jobs, kernel_target(decision.regime),
+                      attention_f64=decode_attention(weights.attention, cc)[0], progress=progress, log=log)
 
     source, decision = load_weights(model, weights, progress=progress, log=log, before_open=before_open)
     if decision.regime == "cpu":

@@ -251,8 +251,7 @@ class CudaEngine:
         # its attention runs, and none may overwrite a row an earlier token of the chunk still reads
         self.layers = [LayerState(s, il, n_ctx, s.n_swa + self.prefill_chunk) for il in range(s.n_layer)]
         self.max_rows = s.compressed_rows(n_ctx, 4)
-        self.compute_capability = compute_capability()
-        self.attention_f64 = decode_attention(attention, self.compute_capability)[0]   # --attention
+        self.attention_f64 = decode_attention(attention, compute_capability())[0]   # --attention
         self.scratch = Scratch(s, self.max_rows, 1, ops.ATTN_SPLITS, self.attention_f64)
         self.buf = self.scratch.view(1)
         self._prefill_scratch = None        # allocated by the first batched prefill
@@ -518,7 +517,7 @@ class CudaEngine:
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, b.part_max, b.part_den, b.part_acc)
             else:
-                partial = ops.decode_attention_kernel(b.attention == "f64", self.compute_capability)
+                partial = ops.decode_attention_kernel(b.attention == "f64")
                 partial[(groups, n_splits, T), ops.ATTN_THREADS, st](
                     b.q, layer.raw, layer.comp if ratio else layer.raw, b.selected, b.n_selected, b.pos,
                     s.n_swa, ratio, use_selected, s.head_dim, b.part_max, b.part_den, b.part_acc)

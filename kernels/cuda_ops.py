@@ -2092,16 +2092,22 @@ def _attention_partial_kernel(FT, TC=False):
 attention_partial = _attention_partial_kernel(float64)        # the default: the CPU twin's numerics
 attention_partial_f32 = _attention_partial_kernel(float32)    # GPUs without full-rate f64 (--attention)
 attention_partial_tc = _attention_partial_kernel(float64, TC=True)    # f64 on the tensor cores: ATTN_TC
-ATTN_TC = True   # f64 decode attention on the tensor cores where mma.f64 exists (H200, flash at 2k:
-                 # decode_ab 7.211 / 7.221 ms per step against 7.335 / 7.354, the same logits)
+ATTN_TC = True   # f64 decode attention on the tensor cores (mma.m8n8k4.f64: every GPU the engine runs
+                 # on, compute capability 8.0 on; H200, flash at 2k: decode_ab 7.211 / 7.221 ms per
+                 # step against 7.335 / 7.354 on the CUDA cores, the same logits)
+DECODE_ATTENTION_KERNELS = ("attention_partial", "attention_partial_tc", "attention_partial_f32")
 
 
-def decode_attention_kernel(f64: bool, compute_capability):
-    """The decode attention kernel: f32 where --attention chose it; else f64, on the tensor cores
-    (mma.m8n8k4.f64 needs compute capability 8.0 or newer) unless ATTN_TC is off."""
+def decode_attention_name(f64: bool) -> str:
+    """The decode attention kernel (its name here) for --attention's arithmetic: f32, or f64 on
+    the tensor cores unless ATTN_TC is off."""
     if not f64:
-        return attention_partial_f32
-    return attention_partial_tc if ATTN_TC and tuple(compute_capability) >= (8, 0) else attention_partial
+        return "attention_partial_f32"
+    return "attention_partial_tc" if ATTN_TC else "attention_partial"
+
+
+def decode_attention_kernel(f64: bool):
+    return globals()[decode_attention_name(f64)]
 
 
 # ---- prefill attention on the tensor cores -------------------------------------------------------

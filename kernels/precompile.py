@@ -169,6 +169,24 @@ def manifest_for(key: str) -> list[dict]:
     return kernels
 
 
+def with_decode_attention(kernels: list[dict], f64: bool) -> list[dict]:
+    """kernels with each decode attention entry (a manifest names the kernel its GPU's --attention
+    took) naming the one this run takes, its partial arrays (the last three arguments) in that
+    arithmetic's float type, each entry once: the package's manifest, recorded on an H200 (f64 on
+    the tensor cores), then has the workers compile the f32 kernel of a GeForce card."""
+    from . import cuda_ops as ops
+    name, ft = ops.decode_attention_name(f64), ("float64" if f64 else "float32")
+    out, seen = [], set()
+    for e in kernels:
+        if e.get("kind") == "ops" and e["name"] in ops.DECODE_ATTENTION_KERNELS:
+            e = dict(e, name=name, sig=e["sig"][:-3] + [[a[0], ft, *a[2:]] for a in e["sig"][-3:]])
+        what = json.dumps({k: v for k, v in e.items() if k != "fn"}, sort_keys=True)
+        if what not in seen:
+            seen.add(what)
+            out.append(e)
+    return out
+
+
 def compiled_for_these_sources(key: str) -> bool:
     return _read(user_manifest_path()).get("compiled", {}).get(key) == SOURCES_DIGEST
 

@@ -127,10 +127,9 @@ def test_f32_attention_stays_within_the_f32_spread(model, cpu_logits):
 
 
 def test_cuda_core_attention_keeps_the_cpu_engines_numerics(model, cpu_logits, monkeypatch):
-    """ops.ATTN_TC off: the f64 decode attention on the CUDA cores (attention_partial, what GPUs
-    before compute capability 8.0 take with --attention f64; its sums in another order than the
-    tensor-core kernel's, ~1e-16 apart) meets the GPU-vs-CPU bar of
-    test_gpu_logits_match_cpu_engine at every checked position."""
+    """ops.ATTN_TC off: the f64 decode attention on the CUDA cores (attention_partial, the default
+    before session 36; its sums in another order than the tensor-core kernel's, ~1e-16 apart)
+    meets the GPU-vs-CPU bar of test_gpu_logits_match_cpu_engine at every checked position."""
     from ds4py.kernels import cuda_ops as ops
     monkeypatch.setattr(ops, "ATTN_TC", False)
     _check_against_cpu(model, cpu_logits, True, attention="f64")

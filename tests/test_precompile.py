@@ -125,22 +125,26 @@ def test_every_module_kernel_is_disk_cached():
     assert [n for n, k in kernels.items() if type(k._cache).__name__ != "KernelCache"] == []
 
 
+def _shipped_keys(tiny_model) -> tuple[str, str]:
+    """The CUDA manifest keys of the tiny model and of the flash preset (its tensors' types)."""
+    from ds4py.engine import kernel_key
+    from ds4py.io.spec import open_model
+    model = open_model(tiny_model)
+    try:
+        return kernel_key(model), P.shape_key(synth.preset_spec("flash"),
+                                              [t.ggml_type for t in model.file.tensors.values()])
+    finally:
+        model.close()
+
+
 def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_model, tmp_path, monkeypatch):
     """kernels/manifest.json (recorded on the H200 by `ds4py run` on the embedded tiny model and
     the flash preset, ds4's q2 shapes, and on a CPU-only machine for the tiny model's CPU engine)
     names kernels that exist, with as many argument types as each kernel takes: a renamed factory
     or a changed kernel signature makes it stale (re-record it with scripts/device-precompile.sh,
     or a CPU `ds4py run`, and scripts/merge_manifest.py)."""
-    from ds4py.engine import kernel_key
-    from ds4py.io.spec import open_model
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no user manifest in the way
-    model = open_model(tiny_model)
-    try:
-        tiny_key = kernel_key(model)
-        types_ = [t.ggml_type for t in model.file.tensors.values()]
-    finally:
-        model.close()
-    flash_key = P.shape_key(synth.preset_spec("flash"), types_)
+    tiny_key, flash_key = _shipped_keys(tiny_model)
     for key, least in ((tiny_key, 40), (flash_key, 40), ("cpu;" + tiny_key, 30)):
         kernels = P.manifest_for(key)
         assert len(kernels) >= least, key
@@ -148,6 +152,31 @@ def test_the_shipped_manifest_covers_tiny_and_flash_and_matches_the_code(tiny_mo
             disp = P._dispatcher_for(e)
             assert disp.py_func.__code__.co_argcount == len(e["sig"]), e["name"]
             assert all(P.type_from_json(j) is not None for j in e["sig"])
+
+
+def test_workers_compile_the_decode_attention_this_gpu_takes(tiny_model, tmp_path, monkeypatch):
+    """The package's manifest names the decode attention its recording GPU ran (an H200: f64 on the
+    tensor cores); with_decode_attention makes the workers compile the kernel this run takes, with
+    the argument types scripts/check_cuda_compile.py compiles it with (its partials f32 for --attention
+    f32), each entry once, every other entry as it was."""
+    import runpy
+    from pathlib import Path
+
+    from ds4py.kernels import cuda_ops as ops
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_cuda_compile.py"
+    catalogue = runpy.run_path(str(path), run_name="catalogue")["sigs"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no user manifest in the way
+    kernels = P.manifest_for(_shipped_keys(tiny_model)[1])
+    is_attention = (lambda e: e["kind"] == "ops" and e["name"] in ops.DECODE_ATTENTION_KERNELS)
+    assert sum(map(is_attention, kernels)) == 1
+    for f64, tc, want in ((True, True, "attention_partial_tc"), (False, True, "attention_partial_f32"),
+                          (True, False, "attention_partial")):
+        monkeypatch.setattr(ops, "ATTN_TC", tc)
+        mapped = P.with_decode_attention(kernels + kernels, f64)      # twice: each entry once
+        assert [e for e in mapped if not is_attention(e)] == [e for e in kernels if not is_attention(e)]
+        (entry,) = [e for e in mapped if is_attention(e)]
+        assert entry["name"] == want and ops.decode_attention_kernel(f64) is getattr(ops, want)
+        assert entry["sig"] == [P.type_to_json(t) for t in catalogue[want]]
 
 
 def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypatch):
@@ -174,7 +203,7 @@ def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypat
 
 def test_compile_ahead_runs_the_workers_once_per_sources(tiny_model, tmp_path, monkeypatch):
     """engine.compile_ahead with the workers replaced: the shipped kernels of the tiny shape go to
-    `jobs` workers with one line said; the shape is then marked compiled and the next call starts
+    `jobs` workers with one line said (the decode attention of --attention f32 among them); the shape is then marked compiled and the next call starts
     none; a worker failure is said and leaves the shape unmarked (the next run tries again)."""
     from ds4py import engine
     from ds4py.io.spec import open_model
@@ -183,14 +212,15 @@ def test_compile_ahead_runs_the_workers_once_per_sources(tiny_model, tmp_path, m
     result = {"failures": ["failed factory _q8_0_kernel: RuntimeError: boom"]}
 
     def fake(kernels, jobs, on_done=None):
-        calls.append((len(kernels), jobs))
+        calls.append((len(kernels), jobs, {e["name"] for e in kernels}))
         return 2.5, list(result["failures"])
 
     monkeypatch.setattr(P, "compile_in_workers", fake)
     model = open_model(tiny_model)
     try:
-        engine.compile_ahead(model, 3, progress=False, log=lines.append)
+        engine.compile_ahead(model, 3, attention_f64=False, progress=False, log=lines.append)
         assert calls and calls[0][1] == 3 and calls[0][0] >= 40
+        assert "attention_partial_f32" in calls[0][2] and "attention_partial_tc" not in calls[0][2]
         assert "in 3 processes" in lines[0] and "1 kernels will compile at first use" in lines[1]
         assert not P.compiled_for_these_sources(engine.kernel_key(model))
         result["failures"] = []
