@@ -155,14 +155,20 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _identity(entry: dict) -> str:
+    """What makes two manifest entries the same kernel: everything but "fn" (a line number, which
+    an edit of the source moves)."""
+    return json.dumps({k: v for k, v in entry.items() if k != "fn"}, sort_keys=True)
+
+
 def manifest_for(key: str) -> list[dict]:
     """The kernels a model of this shape built before: the user's runs', then those of the
     package's manifest the user's runs have not built (a short run builds fewer), each kernel once
-    (its "fn" aside: a line number, which an edit of the source moves)."""
+    (_identity)."""
     kernels, seen = [], set()
     for path in (user_manifest_path(), SHIPPED):
         for e in _read(path).get("shapes", {}).get(key, []):
-            what = json.dumps({k: v for k, v in e.items() if k != "fn"}, sort_keys=True)
+            what = _identity(e)
             if what not in seen:
                 seen.add(what)
                 kernels.append(e)
@@ -180,7 +186,7 @@ def with_decode_attention(kernels: list[dict], f64: bool) -> list[dict]:
     for e in kernels:
         if e.get("kind") == "ops" and e["name"] in ops.DECODE_ATTENTION_KERNELS:
             e = dict(e, name=name, sig=e["sig"][:-3] + [[a[0], ft, *a[2:]] for a in e["sig"][-3:]])
-        what = json.dumps({k: v for k, v in e.items() if k != "fn"}, sort_keys=True)
+        what = _identity(e)
         if what not in seen:
             seen.add(what)
             out.append(e)

@@ -203,8 +203,9 @@ def test_kernel_plan_says_what_a_gpu_run_will_do(tiny_model, tmp_path, monkeypat
 
 def test_compile_ahead_runs_the_workers_once_per_sources(tiny_model, tmp_path, monkeypatch):
     """engine.compile_ahead with the workers replaced: the shipped kernels of the tiny shape go to
-    `jobs` workers with one line said (the decode attention of --attention f32 among them); the shape is then marked compiled and the next call starts
-    none; a worker failure is said and leaves the shape unmarked (the next run tries again)."""
+    `jobs` workers with one line said (the decode attention of --attention f32 among them); the
+    shape is then marked compiled and the next call starts none; a worker failure is said and
+    leaves the shape unmarked (the next run tries again)."""
     from ds4py import engine
     from ds4py.io.spec import open_model
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
