@@ -816,13 +816,24 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves (the shipped gate/up decode) with and without its deferred SwiGLU
     (_GU_DEFER), and other block shapes. Same bits checked against the first variant; the first
     comes again at the end (drift between the first and last minutes)."""
-    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP")
-    # ptxas sm_90: 80 registers with the deferred SwiGLU (4 blocks of 6 warps per SM), 72 without
-    variants = [(True, 4, 6), (False, 4, 6), (True, 8, 8), (True, 4, 4), (True, 4, 6)]
+    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GU_HALVES", "_IQ2_REPACKED_GATE_UP")
+    # ptxas sm_90: 76 registers with the deferred SwiGLU (4 blocks of 6 warps per SM: 24 warps, and
+    # the 512 blocks fill them), 72 without. Capped: 72 without spills (the same 24 warps); 64 (96
+    # bytes spilled) fits 32 warps per SM, which rows 4 x warps 8 (512 blocks) and rows 2 x warps 4
+    # (1,024) fill in one wave of 3 units per warp; 48 (200 bytes spilled) with rows 2 x warps 4:
+    # 10 blocks per SM fit, the grid fills 31 warps
+    # (H200, session 37: every cap slower, 64 -> 22.3-22.6 us against 19.4 with PDL edges).
+    # Repacked: the experts in iq2_xxs_relayout's layout (a lane's 32 bytes two aligned 16-byte
+    # loads, a warp's reads of a row 1 KB contiguous: ncu counts 5.2 of each 32-byte sector used
+    # per thread on the file's layout, L1 82.7 % busy; ptxas: 76 registers, 1,824 SASS against 1,864)
+    variants = [(True, 4, 6, 0), (True, 4, 6, 0, True), (True, 4, 8, 0, True), (True, 8, 8, 0, True),
+                (False, 4, 6, 0, True), (True, 4, 6, 0), (True, 4, 6, 0, True)]
+    variants = [v + (False,) * (5 - len(v)) for v in variants]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']}")
+                f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

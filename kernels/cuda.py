@@ -2282,7 +2282,7 @@ _GU_HALVES = True  # IQ2_XXS gate/up decode rows of at most 16 super-blocks: moe
 def gate_up_halves_applies(wtype, K, xq):
     """moe_gate_up_halves takes IQ2_XXS rows of 1..16 super-blocks in the file's layout with the
     activation on a 16-byte boundary (it reads x in 16-byte words); else moe_gate_up_decode."""
-    return (_GU_HALVES and not _IQ2_REPACKED_GATE_UP and wtype == F.IQ2_XXS and K % 256 == 0
+    return (_GU_HALVES and wtype == F.IQ2_XXS and K % 256 == 0
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
@@ -2292,7 +2292,10 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
                    # in the engine the same step time, decode_ab 8.04-8.08 ms either way)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
+_REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
+
+
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2349,19 +2352,27 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
-        """w[o:o + 9]: the aligned words covering the lane's 32 bytes, w[o + 9]: d (f16 bits)."""
+        """w[o:o + 9]: the aligned words covering the lane's 32 bytes, w[o + 9]: d (f16 bits).
+        REPACKED (rows in iq2_xxs_relayout's layout, 16-byte aligned): w[o:o + 8] are the
+        lane's 32 bytes, two 16-byte loads (the lanes of a warp read 1 KB contiguously)."""
         start = roff + 66 * sb + 2 + 32 * h             # bytes: after d, sub-blocks 4 h ..
         base = start >> 2
         for i in range(NWD):
             w[o + i] = uint32(0)
-        if valid:
+        if REPACKED:
+            if valid:
+                qbase = (roff >> 2) + 16 * sb + 8 * h
+                w[o], w[o + 1], w[o + 2], w[o + 3] = ld_quad(a32, _ix(qbase))
+                w[o + 4], w[o + 5], w[o + 6], w[o + 7] = ld_quad(a32, _ix(qbase + 4))
+                w[o + 9] = uint32(a16[_ix((roff >> 1) + 32 * NSB + sb)])
+        elif valid:
             for i in range(8):
                 w[o + i] = a32[_ix(base + i)]
             if start & 2:                               # 2 bytes off a word: one word more
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_jit_capped(0)
+    @_jit_capped(REGS)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
@@ -2434,14 +2445,18 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True):
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
                 # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
-                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
+                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 and not REPACKED else uint32(0)
                 totals[m] = int32(0)
                 terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
             for s in range(4):
                 for m in range(2):
                     o = m * NWD
-                    aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
-                    aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
+                    if REPACKED:
+                        aux0 = w[o + 2 * s]
+                        aux1 = w[o + 2 * s + 1]
+                    else:
+                        aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
+                        aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
                         gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
@@ -3895,8 +3910,15 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        # the default DEFER is left out of the key: kernels/manifest.json lists (NSB, PRE)
-        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *(() if _GU_DEFER else (False,)))
+        # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
+        # lists (NSB, PRE)
+        extra = () if _GU_DEFER and not _REGS_GU_HALVES else (_GU_DEFER, _REGS_GU_HALVES)
+        if _IQ2_REPACKED_GATE_UP:
+            if F.row_bytes(gate_type, n_embd) % 16:
+                raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
+                                 "multiple of 8 super-blocks (expert bases 16-byte aligned)")
+            extra = (_GU_DEFER, _REGS_GU_HALVES, True)
+        kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)

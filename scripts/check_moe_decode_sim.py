@@ -335,6 +335,16 @@ def halves_checks():
             bad += not ok
             print(f"{'ok ' if ok else 'BAD'} gate/up halves, SwiGLU per unit: K {n_embd}", flush=True)
             _knobs(_GU_DEFER=True)
+    # rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP; 16-byte loads: rows of a multiple
+    # of 8 super-blocks), against the file's layout
+    for n_embd in (2048, 4096):
+        _knobs(_GU_HALVES=True, _RPB_GATE_UP=2, _NW_GATE_UP=2, _IQ2_REPACKED_GATE_UP=False)
+        ref = gate_up(n_embd, 3, 2, 7)
+        _knobs(_IQ2_REPACKED_GATE_UP=True)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7, repacked=True), ref))
+        _knobs(_IQ2_REPACKED_GATE_UP=False)
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)
