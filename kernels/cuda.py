@@ -2140,8 +2140,8 @@ _CONST_STEPS_GATE_UP = True  # a kernel per row length (super-blocks a compile-t
                              # chunk loop unrolls; ptxas sm_90: 80 registers instead of 128, 72
                              # with _NCH_GATE_UP 2 or 1, no spills); False: one kernel for any length
 _IQ2_REPACKED_GATE_UP = False  # the arena's IQ2_XXS gate/up experts are in iq2_xxs_relayout's layout
-                               # (a candidate: kbench tune_moe relayouts its experts; no source writes it;
-                               # H100, session 37: moe_gate_up_halves 19.05 us against 19.65, same bits)
+                               # (a candidate: kbench's tune sweeps relayout their experts to time it;
+                               # no source writes it)
 _IQ2_PERM_GATE_UP = True   # IQ2_XXS gate/up decode: signed weights from byte-permute selectors
                             # (iq2_permute, as the staged prefill kernel), 2 dp4a per grid entry
 _PRE_GATE_UP = True         # the gate/up decode kernel fills its tables before pdl_enter() (they
