@@ -2516,10 +2516,11 @@ _GU_SB_X = 68    # moe_gate_up_sb's activation words per super-block in shared m
                  # quads, so the 8 distinct 16-byte loads of one instruction hit disjoint banks)
 
 
-def gate_up_sb_applies(wtype, K, n_used):
+def gate_up_sb_applies(wtype, K, xq):
     """moe_gate_up_sb takes IQ2_XXS rows of 1..16 super-blocks (its x, 68 words per super-block,
-    is static shared memory)."""
-    return _GU_SB in (1, 2, 4) and wtype == F.IQ2_XXS and K % 256 == 0 and 256 <= K <= 4096
+    is static shared memory) with the activation on a 16-byte boundary (staged in 16-byte words)."""
+    return (_GU_SB in (1, 2, 4) and wtype == F.IQ2_XXS and K % 256 == 0 and 256 <= K <= 4096
+            and _dev_ptr(xq) % 16 == 0)
 
 
 def _moe_gate_up_sb_kernel(NSB, SPL, REPACKED=False, PRE=True):
@@ -2628,8 +2629,10 @@ def _moe_gate_up_sb_kernel(NSB, SPL, REPACKED=False, PRE=True):
                 ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
         if cuda.threadIdx.x < 32:
             ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)
-        for i in range(cuda.threadIdx.x, 64 * NSB, cuda.blockDim.x):
-            xs[(i >> 6) * XW + ((i & 63) ^ (((i >> 9) & 1) << 4))] = uint32(xq32[i])
+        for i4 in range(cuda.threadIdx.x, 16 * NSB, cuda.blockDim.x):    # 16 bytes a thread
+            row = i4 >> 4
+            dst = row * XW + ((4 * (i4 & 15)) ^ ((row >> 3) << 4))
+            xs[dst], xs[dst + 1], xs[dst + 2], xs[dst + 3] = ld_quad(xq32, _ix(4 * i4))
         cuda.syncthreads()
         warp = int32(cuda.threadIdx.x >> 5)
         lane = int32(cuda.threadIdx.x & 31)
@@ -2656,8 +2659,7 @@ def _moe_gate_up_sb_kernel(NSB, SPL, REPACKED=False, PRE=True):
         n_units = int32(min(rpb, n_ff - r0) * n_slots)
         first = int32(warp * (32 // U))
         unit = first + lane // U
-        r = int32(r0 + unit // n_slots)                 # this lane's (row, slot): the unit walk
-        k = int32(unit - (unit // n_slots) * n_slots)   # below steps it without a division
+        r, k = _next_unit(r0, int32(0), unit, n_slots)  # this lane's (row, slot), no division
         while first < n_units:                          # warp-uniform loop
             live = unit < n_units
             if live:
@@ -4107,7 +4109,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
-    if gate_up_sb_applies(gate_type, n_embd, n_used):
+    if gate_up_sb_applies(gate_type, n_embd, xq):
         if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
             raise ValueError("moe_gate_up_sb reads repacked rows in 16-byte words: rows of a "
                              "multiple of 8 super-blocks (expert bases 16-byte aligned)")
