@@ -839,25 +839,6 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
-def bench_tune_sb(timer, copy_bw, rng, log, moe):
-    """moe_gate_up_sb (a lane per 1, 2 or 4 whole super-blocks of a unit's gate and up rows,
-    _GU_SB) against moe_gate_up_halves (the shipped one, _GU_SB 0), on the file's rows and on
-    repacked ones, with rows x warps per block chosen so that a flash layer's 12,288 (row, slot)
-    units fill the 512-block grid in one pass (sb 1: 2 units a warp pass, sb 2: 4, sb 4: 8).
-    ptxas sm_90: sb 1 71 registers, sb 2 72 (56 repacked), sb 4 96. Same bits checked against the
-    first variant; the first comes again at the end (drift)."""
-    names = ("_GU_SB", "_IQ2_REPACKED_GATE_UP", "_RPB_GATE_UP", "_NW_GATE_UP")
-    variants = [(0, False, 4, 6), (2, False, 4, 6), (1, False, 4, 12), (1, False, 4, 6), (4, False, 4, 3),
-                (4, False, 8, 6), (2, False, 2, 3), (2, True, 4, 6), (1, True, 4, 12), (4, True, 8, 6),
-                (0, True, 4, 6), (0, False, 4, 6), (2, False, 4, 6)]
-
-    def describe(k):
-        return ((f"sb {k['_GU_SB']}" if k["_GU_SB"] else "halves") + f" rows {k['_RPB_GATE_UP']} "
-                f"warps {k['_NW_GATE_UP']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
-
-    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
-
-
 def bench_tune_down(timer, copy_bw, rng, log, moe):
     """The Q2_K down decode: moe_down_decode_slots (R rows per block) against moe_down_sb (the
     shipped one, _DOWN_SB rows per block: a lane per super-block, the weights through shared
@@ -1087,8 +1068,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_sb",
-                                  "tune_down"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1110,8 +1090,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
     if "tune_halves" in parts:
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
-    if "tune_sb" in parts:
-        res["tune_sb"] = bench_tune_sb(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

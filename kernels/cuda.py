@@ -34,7 +34,7 @@ from . import formats as F
 from . import numerics, orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
-                              forceinline, funnel_r, funnel_rc,
+                              forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
                               mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
@@ -2287,21 +2287,6 @@ def gate_up_halves_applies(wtype, K, xq):
             and 256 <= K <= 4096 and _dev_ptr(xq) % 16 == 0)
 
 
-
-@_inline
-def _iq2_group_dot(aux0, aux1, l, four, shk_l, gbase, sbase, pos, x_lo, x_hi, sumi):
-    """sumi plus the dot of grid entry l of an IQ2_XXS sub-block (aux0: its 4 grid indices, aux1:
-    its 4 x 7 sign bits and scale) with x_lo, x_hi (8 int8): the grid selector at gbase + 4 index
-    (an IMAD with four = 4 in a register: the FMA pipe), the sign selector at sbase + 4 sign index
-    (l = 0: aux1 << 2; else mulhi by shk_l = 2^(34 - 7 l), i.e. aux1 >> (7 l - 2), masked and
-    based by one LOP3 on the 512-aligned table), the signed bytes by iq2_permute, two dp4a."""
-    gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
-    sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk_l)
-    ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
-    w_lo, w_hi = iq2_permute(gsel, ssel, pos)
-    sumi = dp4a(w_lo, x_lo, sumi)
-    return dp4a(w_hi, x_hi, sumi)
-
 _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (unit index mod 32)
                    # and computes the f64 SwiGLU of 32 units at once, not one lane per unit (H100
                    # kbench: 19.92 us against 20.40 with PDL edges; 80 registers, 4 blocks per SM;
@@ -2475,8 +2460,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        sumi = _iq2_group_dot(aux0, aux1, l, four, shk[l], gbase, sbase, pos,
-                                              xw[8 * s + 2 * l], xw[8 * s + 2 * l + 1], sumi)
+                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+                        # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
+                        sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
+                        w_lo, w_hi = iq2_permute(gsel, ssel, pos)
+                        sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
+                        sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
                     # the sub-block scale 2 s + 1, s = aux1's top nibble (a shift: bfe costs a SGXT more)
                     totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
             for m in range(2):
@@ -2507,196 +2497,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
 
     return moe_gate_up_halves
 
-
-
-_GU_SB = 0   # > 0: the IQ2_XXS gate/up decode is moe_gate_up_sb with this many super-blocks per lane
-             # (1, 2 or 4) where gate_up_sb_applies (0: moe_gate_up_halves)
-_GU_SB_X = 68    # moe_gate_up_sb's activation words per super-block in shared memory: 64 x words and
-                 # 4 pad (68 = 4 mod 32 banks: super-blocks sb and sb + 1..7 start on other bank
-                 # quads, so the 8 distinct 16-byte loads of one instruction hit disjoint banks)
-
-
-def gate_up_sb_applies(wtype, K, xq):
-    """moe_gate_up_sb takes IQ2_XXS rows of 1..16 super-blocks (its x, 68 words per super-block,
-    is static shared memory) with the activation on a 16-byte boundary (staged in 16-byte words)."""
-    return (_GU_SB in (1, 2, 4) and wtype == F.IQ2_XXS and K % 256 == 0 and 256 <= K <= 4096
-            and _dev_ptr(xq) % 16 == 0)
-
-
-def _moe_gate_up_sb_kernel(NSB, SPL, REPACKED=False, PRE=True):
-    """IQ2_XXS gate/up decode with a lane per SPL whole super-blocks of both rows of a (row, slot)
-    unit: 16 / SPL lanes a unit, 32 / (16 / SPL) units a warp at once; the grid, block shape and
-    arguments of moe_gate_up_halves.
-
-    Lane j of a unit takes group q = j & 3 and part p = j >> 2 of it: super-blocks q + 4 (p SPL +
-    i), i < SPL, the p-th stretch of the chain q, q + 4, q + 8, q + 12 that moe_gate_up_decode adds
-    with fma in that order. A lane adds its stretch's f32 terms in order after the part before it
-    (lane j - 4) handed it the chain's sum (SPL 4: no hand-over), then the four groups meet in the
-    decode kernel's butterfly (q ^ 2, then q ^ 1): the same bits. Its super-block's integer sums
-    need no other lane (halves: one shuffle a row and a chain of shuffles over 8-lane groups for
-    every unit; here 4 / SPL - 1 shuffles and the butterfly per row for up to 8 units at once).
-
-    x (the token's Q8_K activation, the same for every unit) is staged once per block in shared
-    memory, 68 words a super-block, and read as 16-byte words: the lanes of one load read at most 8
-    distinct words (lanes of the same j read the same; SPL 1: 16) of super-blocks sb and sb + 8, whose
-    rows start on the same bank quad: from super-block 8 on, word o of a row is stored at o ^ 16
-    (4 quads over), so the two fall on disjoint banks.
-    A lane's weights: the file's layout, 17 aligned words a super-block and a clamped funnel shift
-    each (n 16 where the super-block starts on a word, 32 where it starts 2 bytes into one), or
-    REPACKED (iq2_xxs_relayout's: 4 aligned 16-byte loads and the f16 d from the row's tail).
-    PRE: the constant tables filled before pdl_enter (as moe_gate_up_halves)."""
-    U = 16 // SPL                       # lanes a unit
-    P = 4 // SPL                        # parts of a chain
-    KC = 128                            # ks_s: the sign selectors, the multipliers, pos per lane
-    KS_N = KC + 4 + 32
-    KS_ALIGN = 0 if SIMULATOR else 512
-    XW = 68
-    NX = NSB * XW
-
-    @_inline
-    def load_sb(a16, a32, roff, sb, w, o):
-        """w[o:o + 16]: super-block sb's 64 grid/sign bytes of the row at byte roff; returns d (f16 bits)."""
-        if REPACKED:
-            qbase = (roff >> 2) + 16 * sb
-            for c in range(4):
-                w[o + 4 * c], w[o + 4 * c + 1], w[o + 4 * c + 2], w[o + 4 * c + 3] = ld_quad(a32, _ix(qbase + 4 * c))
-            return uint32(a16[_ix((roff >> 1) + 32 * NSB + sb)])
-        start = roff + 66 * sb
-        base = start >> 2
-        sh = uint32(32) if start & 2 else uint32(16)       # qs 4-aligned when d sits 2 bytes in
-        w0 = a32[_ix(base)]
-        prev = w0
-        for i in range(16):
-            nxt = a32[_ix(base + i + 1)]
-            w[o + i] = funnel_rc(prev, nxt, sh)
-            prev = nxt
-        return (w0 >> (sh - uint32(16))) & uint32(0xFFFF)
-
-    @_inline
-    def step(a16, a32, roffs, live, q, p, i, xs, xd, w, ds, totals, xw, four, shk, gbase, sbase, pos):
-        """Super-block q + 4 (p SPL + i) of the unit's gate and up rows: (the f32 term d_w d_x and
-        the integer sum as f32) of each, zeros where the super-block is past the row."""
-        sb = q + 4 * (p * SPL + i)
-        valid = live and sb < NSB
-        for m in range(2):
-            ds[m] = uint32(0)
-            if valid:
-                ds[m] = load_sb(a16, a32, roffs[m], sb, w, 16 * m)
-            else:
-                for c in range(16):
-                    w[16 * m + c] = uint32(0)
-            totals[m] = int32(0)
-        xds = xd[sb] if valid else float32(0.0)
-        # word o of the super-block at o ^ 16 from super-block 8 on (see the staging):
-        # o + swz where bit 4 of o is clear, o - swz where it is set (o a constant)
-        xrow = (sb if valid else 0) * XW
-        swz = 16 if sb >= 8 else 0
-        x_up = xrow + swz
-        x_dn = xrow - swz
-        for s in range(8):
-            o = 8 * s
-            xb = x_up if (o & 16) == 0 else x_dn
-            xw[0], xw[1], xw[2], xw[3] = ld_quad(xs, _ix(xb + o))
-            xw[4], xw[5], xw[6], xw[7] = ld_quad(xs, _ix(xb + o + 4))
-            for m in range(2):
-                aux0 = w[16 * m + 2 * s]
-                aux1 = w[16 * m + 2 * s + 1]
-                sumi = int32(0)
-                for l in range(4):
-                    sumi = _iq2_group_dot(aux0, aux1, l, four, shk[l], gbase, sbase, pos,
-                                          xw[2 * l], xw[2 * l + 1], sumi)
-                totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
-        return (f16_bits_to_f32(ds[0]) * xds, float32(totals[0]),
-                f16_bits_to_f32(ds[1]) * xds, float32(totals[1]))
-
-    @_jit_capped(0)
-    def moe_gate_up_sb(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
-                       n_ff, rb, rpb, mid, grid_g, ks_g):
-        if not PRE:
-            pdl_enter()
-        grid_s = cuda.shared.array(256, uint32)
-        if KS_ALIGN:
-            ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
-        else:
-            ks_s = cuda.shared.array(KS_N, uint32)
-        xs = cuda.shared.array(NX, uint32)
-        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
-        if PRE:
-            pdl_enter()                                 # everything below may read earlier grids' output
-        if cuda.threadIdx.x == 0:
-            ks_s[KC] = uint32(4)
-            for l in range(1, 4):
-                ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
-        if cuda.threadIdx.x < 32:
-            ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)
-        for i4 in range(cuda.threadIdx.x, 16 * NSB, cuda.blockDim.x):    # 16 bytes a thread
-            row = i4 >> 4
-            dst = row * XW + ((4 * (i4 & 15)) ^ ((row >> 3) << 4))
-            xs[dst], xs[dst + 1], xs[dst + 2], xs[dst + 3] = ld_quad(xq32, _ix(4 * i4))
-        cuda.syncthreads()
-        warp = int32(cuda.threadIdx.x >> 5)
-        lane = int32(cuda.threadIdx.x & 31)
-        j = lane % U
-        q = j & 3
-        p = j >> 2
-        pos = ks_s[KC + 4 + lane]
-        shk = cuda.local.array(4, uint32)
-        for l in range(4):
-            shk[l] = ks_s[KC + l]
-        four = shk[0]
-        gbase = shared_addr(grid_s)
-        sbase = shared_addr(ks_s)
-        c32 = float32(clamp)
-        w = cuda.local.array(32, uint32)                # one super-block of both rows
-        roffs = cuda.local.array(2, int64)
-        ds = cuda.local.array(2, uint32)
-        totals = cuda.local.array(2, int32)
-        xw = cuda.local.array(8, uint32)
-        res = cuda.local.array(2, float32)
-        nwarps = int32(cuda.blockDim.x >> 5)
-        n_slots = int32(n_used)
-        r0 = int32(cuda.blockIdx.x * rpb)
-        n_units = int32(min(rpb, n_ff - r0) * n_slots)
-        first = int32(warp * (32 // U))
-        unit = first + lane // U
-        r, k = _next_unit(r0, int32(0), unit, n_slots)  # this lane's (row, slot), no division
-        while first < n_units:                          # warp-uniform loop
-            live = unit < n_units
-            if live:
-                for m in range(2):
-                    roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
-            # the SPL steps written out (a rolled loop would keep their terms in local memory)
-            t0 = step(a16, a32, roffs, live, q, p, 0, xs, xd, w, ds, totals, xw, four, shk, gbase, sbase, pos)
-            t1 = t0
-            t2 = t0
-            t3 = t0
-            if SPL > 1:
-                t1 = step(a16, a32, roffs, live, q, p, 1, xs, xd, w, ds, totals, xw, four, shk, gbase, sbase, pos)
-            if SPL > 2:
-                t2 = step(a16, a32, roffs, live, q, p, 2, xs, xd, w, ds, totals, xw, four, shk, gbase, sbase, pos)
-                t3 = step(a16, a32, roffs, live, q, p, 3, xs, xd, w, ds, totals, xw, four, shk, gbase, sbase, pos)
-            for m in range(2):
-                acc = float32(0.0)
-                for g in range(P):                      # the chain: part g - 1 hands on to g
-                    if g > 0:
-                        prev = cuda.shfl_sync(FULL_MASK, acc, lane - 4 if lane >= 4 else lane)
-                        if p == g:
-                            acc = prev
-                    if p == g:
-                        for i in range(SPL):
-                            t = t0 if i == 0 else (t1 if i == 1 else (t2 if i == 2 else t3))
-                            if live and q + 4 * (p * SPL + i) < NSB:
-                                acc = cuda.fma(t[2 * m], t[2 * m + 1], acc)
-                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
-                acc += cuda.shfl_xor_sync(FULL_MASK, acc, 1)
-                res[m] = float32(0.125) * acc
-            if live and j == U - 1:
-                mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            first = int32(first + nwarps * (32 // U))
-            unit = int32(unit + nwarps * (32 // U))
-            r, k = _next_unit(r, k, nwarps * (32 // U), n_slots)
-
-    return moe_gate_up_sb
 
 def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     """One warp per output row: it walks the row's (slot, chunk) units in slot order, the next
@@ -4109,13 +3909,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
-    if gate_up_sb_applies(gate_type, n_embd, xq):
-        if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
-            raise ValueError("moe_gate_up_sb reads repacked rows in 16-byte words: rows of a "
-                             "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-        kernel = _cached(_moe_gate_up_sb_kernel, n_embd // 256, _GU_SB, _IQ2_REPACKED_GATE_UP, _PRE_GATE_UP)
-        tables, shmem = _iq2_selector_tables_device(), 0
-    elif gate_up_halves_applies(gate_type, n_embd, xq):
+    if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
         # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
         # lists (NSB, PRE)

@@ -62,8 +62,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   set bits even (the ksigns table of ggml, as popc and one bit insert instead of a lookup).
 * ``funnel_r(lo, hi, n)``: the 32 bits of the 64-bit value hi:lo starting at bit n (0 <= n < 32;
   PTX shf.r.wrap.b32): a word at a 2-byte offset from two aligned ones, in one instruction.
-* ``funnel_rc(lo, hi, n)``: the same for 0 <= n <= 32 (PTX shf.r.clamp.b32: n = 32 gives hi), so
-  one expression takes a word at either a 2-byte offset (n 16) or the next aligned word (n 32).
 * ``shr64_lo(lo, hi, n)``: the low 32 bits of the 64-bit value hi:lo shifted right by n
   (0 <= n < 64; PTX shr.b64 of the pair): a field that may start in either word, one SHF.
 * ``iq2_permute(gsel, ssel, pos)``: the 8 signed IQ2_XXS weights of one grid entry as two words
@@ -313,10 +311,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def funnel_r(lo, hi, n):
         v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
         return np.uint32((v >> (int(n) & 31)) & 0xFFFFFFFF)
-
-    def funnel_rc(lo, hi, n):
-        v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
-        return np.uint32((v >> min(int(n), 32)) & 0xFFFFFFFF)
 
     def shr64_lo(lo, hi, n):
         v = ((int(hi) & 0xFFFFFFFF) << 32) | (int(lo) & 0xFFFFFFFF)
@@ -664,7 +658,6 @@ else:
     bfe = _ternary_asm("bfe", types.int32, "bfe.u32 $0, $1, $2, $3;")
     imad = _ternary_asm("imad", types.int32, "mad.lo.s32 $0, $1, $2, $3;")
     funnel_r = _ternary_asm("funnel_r", types.uint32, "shf.r.wrap.b32 $0, $1, $2, $3;")
-    funnel_rc = _ternary_asm("funnel_rc", types.uint32, "shf.r.clamp.b32 $0, $1, $2, $3;")
     shr64_lo = _ternary_asm("shr64_lo", types.uint32,
                             "{ .reg .b64 v; mov.b64 v, {$1, $2}; shr.b64 v, v, $3; cvt.u32.u64 $0, v; }")
 

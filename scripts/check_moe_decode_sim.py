@@ -356,38 +356,6 @@ def halves_checks():
     return bad
 
 
-def gate_up_sb_checks():
-    bad = 0
-    # moe_gate_up_sb (_GU_SB: a lane per 1, 2 or 4 whole super-blocks) against moe_gate_up_halves:
-    # 1, 3, 5 and 16 super-blocks (partial chains), 3 rows of 2 slots (rows odd and even: both word
-    # alignments of the file's super-blocks); 5 rows x 3 slots in blocks of 2 rows (a warp's last
-    # units past the block's end)
-    for n_embd in (256, 768, 1280, 4096):
-        for spl in (1, 2, 4):
-            _knobs(_GU_SB=0, _GU_HALVES=True, _RPB_GATE_UP=2, _NW_GATE_UP=2, _IQ2_REPACKED_GATE_UP=False)
-            ref = gate_up(n_embd, 3, 2, 7)
-            _knobs(_GU_SB=spl)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up sb {spl} = gate/up halves: K {n_embd}", flush=True)
-    _knobs(_GU_SB=0, _RPB_GATE_UP=2, _NW_GATE_UP=1)
-    ref = gate_up(512, 5, 3, 11)
-    _knobs(_GU_SB=2)
-    ok = all(np.array_equal(a, b) for a, b in zip(gate_up(512, 5, 3, 11), ref))
-    bad += not ok
-    print(f"{'ok ' if ok else 'BAD'} gate/up sb 2, units past a block's end", flush=True)
-    # on rows in iq2_xxs_relayout's layout
-    for n_embd in (2048, 4096):
-        _knobs(_GU_SB=0, _RPB_GATE_UP=2, _NW_GATE_UP=2, _IQ2_REPACKED_GATE_UP=False)
-        ref = gate_up(n_embd, 3, 2, 7)
-        _knobs(_GU_SB=2, _IQ2_REPACKED_GATE_UP=True)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7, repacked=True), ref))
-        _knobs(_GU_SB=0, _IQ2_REPACKED_GATE_UP=False)
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up sb 2 on repacked rows: K {n_embd}", flush=True)
-    return bad
-
-
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -414,8 +382,8 @@ def main():
         bad = twins_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
-    if only in ("down", "halves", "sb"):
-        bad = {"down": down_sb_checks, "halves": halves_checks, "sb": gate_up_sb_checks}[only]()
+    if only in ("down", "halves"):
+        bad = down_sb_checks() if only == "down" else halves_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
     if only in ("", "q8"):

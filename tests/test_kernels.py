@@ -321,8 +321,7 @@ def _is_kernel_decorator(dec) -> bool:
 
 # kernels whose statements before pdl_enter() (when compiled or launched with PRE) read only weight
 # bytes or constant tables, which no grid writes while a decode graph replays
-WEIGHT_PROLOGUE_KERNELS = {"q8_0_rows", "q8_0_pairs", "moe_gate_up_decode", "moe_gate_up_halves",
-                           "moe_gate_up_sb", "hc_mix_partial"}
+WEIGHT_PROLOGUE_KERNELS = {"q8_0_rows", "q8_0_pairs", "moe_gate_up_decode", "moe_gate_up_halves", "hc_mix_partial"}
 
 
 def test_every_cuda_kernel_starts_with_pdl_enter():

@@ -308,8 +308,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _GU_SB=0,
-                         _DOWN_SB=0)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _DOWN_SB=0)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -462,39 +461,12 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
-_SB_VARIANTS = [(2, 4, 6, True), (1, 4, 12, True), (1, 4, 6, True), (4, 4, 3, True), (4, 8, 6, True),
-                (2, 2, 3, False)]
-
-
-@pytest.mark.parametrize("spl,rpb,nw,pre", _SB_VARIANTS,
-                         ids=[f"sb{v[0]}-rpb{v[1]}-nw{v[2]}-pre{int(v[3])}" for v in _SB_VARIANTS])
-def test_moe_gate_up_sb_same_bits(experts, moe_knobs, spl, rpb, nw, pre):
-    """moe_gate_up_sb (a lane per 1, 2 or 4 whole super-blocks, _GU_SB; x staged in shared memory
-    with its bank swizzle) against the first gate/up kernel on the flash rows (16 super-blocks), one
-    or two unit passes a warp: the same integers and f32 order, so the same mid and output bits."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 23, _GU_SB=spl, _RPB_GATE_UP=rpb,
-                                      _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
-
-
-@pytest.mark.parametrize("spl", [1, 2, 4])
-@pytest.mark.parametrize("n_embd", [256, 768, 1280, 3840, 4096])
-@pytest.mark.parametrize("extra", [0, 2])
-def test_moe_gate_up_sb_short_rows(moe_knobs, spl, n_embd, extra):
-    """moe_gate_up_sb on rows of 1, 3, 5, 15 and 16 super-blocks (lanes past the row, partial
-    chains; super-blocks starting on a word and 2 bytes into one, and all of them shifted with the
-    experts 2 bytes off a word), n_ff 20 of 3 slots (units past the block's end), against the
-    first gate/up kernel bit for bit."""
-    moe_knobs(**_FIRST_MOE_DECODE)
-    ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
-    moe_knobs(_GU_SB=spl, _RPB_GATE_UP=4, _NW_GATE_UP=6)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
-
-
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
 def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
-    """_IQ2_REPACKED_GATE_UP (the byte-permute kernel reading rows that iq2_xxs_relayout rewrote:
-    each super-block's 64 grid/sign bytes first, then the scales) against the same kernel on the
-    file's layout, bit for bit; iq2_xxs_relayout there and back restores every byte."""
+    """_IQ2_REPACKED_GATE_UP (the byte-permute kernel, and moe_gate_up_halves on rows of a multiple
+    of 8 super-blocks, reading rows that iq2_xxs_relayout rewrote: each super-block's 64 grid/sign
+    bytes first, then the scales) against the decode kernel on the file's layout, bit for bit;
+    iq2_xxs_relayout there and back restores every byte."""
     rng = _rng(21)
     n_used, n_ff = 3, 20
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
@@ -510,8 +482,9 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
         K.moe_gate_up(arena, slot_off, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, out, bsums=xbs)
         return out.copy_to_host()
 
+    # moe_gate_up_decode first (the halves kernel, the default, takes these rows too: below)
     moe_knobs(_CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=nch, _X_REGS_GATE_UP=x_regs, _IQ2_PERM_GATE_UP=True,
-              _IQ2_REPACKED_GATE_UP=False)
+              _IQ2_REPACKED_GATE_UP=False, _GU_HALVES=False)
     want, before = mid(), arena.copy_to_host()
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd)
@@ -520,11 +493,9 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(mid(), want)
     moe_knobs(_PRE_GATE_UP=True)                     # the tables filled before pdl_enter
     assert np.array_equal(mid(), want)
-    if n_embd % 2048 == 0:                            # moe_gate_up_sb reads them in 16-byte words
-        for spl in (1, 2, 4):
-            moe_knobs(_GU_SB=spl)
-            assert np.array_equal(mid(), want), f"moe_gate_up_sb {spl} on repacked rows"
-        moe_knobs(_GU_SB=0)
+    if n_embd % 2048 == 0:          # moe_gate_up_halves reads them in 16-byte words: rows of 8k super-blocks
+        moe_knobs(_GU_HALVES=True)
+        assert np.array_equal(mid(), want), "moe_gate_up_halves on repacked rows"
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
     assert np.array_equal(arena.copy_to_host(), before)
