@@ -831,8 +831,7 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # file's rows and on repacked ones (the two L1 savings together: Session 38)
     names += ("_GU_COPIES",)
     variants = [(True, 4, 6, 0, False, 1), (True, 4, 6, 0, True, 1), (True, 4, 6, 0, False, 32),
-                (True, 4, 6, 0, True, 32), (True, 8, 8, 0, True, 32), (True, 4, 6, 0, False, 1),
-                (True, 4, 6, 0, True, 1), (True, 4, 6, 0, True, 32)]
+                (True, 4, 6, 0, True, 32), (True, 4, 6, 0, False, 1), (True, 4, 6, 0, True, 32)]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
