@@ -827,17 +827,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # loads, a warp's reads of a row 1 KB contiguous: ncu counts 5.2 of each 32-byte sector used
     # per thread on the file's layout, L1 82.7 % busy; ptxas: 76 registers, 1,824 SASS against 1,864;
     # H100, session 37: 19.05-19.11 us against 19.65, 3.2x fewer global sectors, L1 still ~80 % busy)
-    # Copies: both lookup tables in 32 copies (_GU_COPIES: a bank per lane, 48 KB a block), on the
-    # file's rows and on repacked ones (the two L1 savings together: Session 38)
-    names += ("_GU_COPIES",)
-    variants = [(True, 4, 6, 0, False, 1), (True, 4, 6, 0, True, 1), (True, 4, 6, 0, False, 32),
-                (True, 4, 6, 0, True, 32), (True, 4, 6, 0, False, 1), (True, 4, 6, 0, True, 32)]
+    variants = [(True, 4, 6, 0), (True, 4, 6, 0, True), (True, 4, 8, 0, True), (True, 8, 8, 0, True),
+                (False, 4, 6, 0, True), (True, 4, 6, 0), (True, 4, 6, 0, True)]
+    variants = [v + (False,) * (5 - len(v)) for v in variants]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
-                + (f" {k['_GU_COPIES']} table copies" if k["_GU_COPIES"] > 1 else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

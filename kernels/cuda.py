@@ -36,7 +36,7 @@ from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
-                              and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, sts_x4, mma_s8,
+                              and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
                               mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
@@ -2294,12 +2294,9 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 
 
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
-_GU_COPIES = 1        # its lookup tables in 1 or 32 copies (a bank per lane: no conflicts; 48 KB of
-                      # shared memory a block. H200, session 31, file rows: -3 % alone, +0.7 % in the
-                      # engine; with repacked rows: kbench tune_halves, Session 38)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, CP=1):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2341,14 +2338,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     2^(34 - 7 l), its mask and base one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU
     instructions per 8 weights become 5 + 2 IMAD (ptxas sm_90: 72 registers, 525 SASS instructions
     per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
-    The same words from the same tables: the same bits.
-
-    CP = 32 (_GU_COPIES): both tables in 32 copies, entry i of lane l at word 32 i + l, so every
-    lane reads its own bank (ncu: 1.55 M of the launch's 2.34 M shared wavefronts are the lookups'
-    bank conflicts). 48 KB of shared memory a block (4 blocks per SM still fit), filled with
-    16-byte stores; the constants (128, the mulhi multipliers 2^25 and 2^18, pos) come after ks_g's
-    128 words (iq2_copies_tables). The sign table's base is added after the LOP3 (a block's shared
-    window starts at 0x400: an OR-ed base past 4 KB alignment would set bit 10, session 31)."""
+    The same words from the same tables: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2356,12 +2346,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # ks_s: the 128 sign masks, then the multipliers (registers, not immediates, so that ptxas
     # keeps IMAD / IMAD.HI): 4 at KC, 2^(34 - 7 l) at KC + l, then pos once per lane at KC + 4
     KC = 128
-    KS_N = KC + 4 + 32 if CP == 1 else 128 * CP
-    GRID_N = 256 * CP
-    SMASK = 0x7F << 2 if CP == 1 else 0x7F << 7     # the sign index x 4 or x 128 (32 copies)
+    KS_N = KC + 4 + 32
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
-    KS_ALIGN = 0 if SIMULATOR or CP > 1 else 512
+    KS_ALIGN = 0 if SIMULATOR else 512
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2390,27 +2378,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                            n_ff, rb, rpb, mid, grid_g, ks_g):
         if not PRE:
             pdl_enter()
-        grid_s = cuda.shared.array(GRID_N, uint32)
+        grid_s = cuda.shared.array(256, uint32)
         if KS_ALIGN:
             ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
-        if CP == 1:
-            _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
-        else:       # a thread stores 4 copies of an entry per instruction (8 threads an entry)
-            for e4 in range(cuda.threadIdx.x, 256 * (CP >> 2), cuda.blockDim.x):
-                sts_x4(shared_addr(grid_s) + uint32(e4 << 4), grid_g[e4 // (CP >> 2)])
-            for e4 in range(cuda.threadIdx.x, 128 * (CP >> 2), cuda.blockDim.x):
-                sts_x4(shared_addr(ks_s) + uint32(e4 << 4), ks_g[e4 // (CP >> 2)])
+        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
-        if CP == 1:
-            if cuda.threadIdx.x == 0:
-                ks_s[KC] = uint32(4)
-                for l in range(1, 4):
-                    ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
-            if cuda.threadIdx.x < 32:       # pos (iq2_permute's bytes 0, 8, 25, 43) once per lane:
-                ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)   # see below
+        if cuda.threadIdx.x == 0:
+            ks_s[KC] = uint32(4)
+            for l in range(1, 4):
+                ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
+        if cuda.threadIdx.x < 32:       # pos (iq2_permute's bytes 0, 8, 25, 43) once per lane:
+            ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)   # see below
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2429,20 +2410,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         # a register operand (see iq2_permute), read from a per-lane address: read from one
         # address, ptxas holds it in a uniform register and copies it into a vector one before
         # every prmt
+        pos = ks_s[KC + 4 + lane]
         shk = cuda.local.array(4, uint32)              # l = 0: 4 (a multiply); else mulhi's 2^(34 - 7 l)
-        if CP == 1:
-            pos = ks_s[KC + 4 + lane]
-            for l in range(4):
-                shk[l] = ks_s[KC + l]
-        else:                                           # 128, -, 2^25, 2^18
-            pos = ks_g[KC + 4 + lane]
-            for l in range(4):
-                shk[l] = ks_g[KC + l]
+        for l in range(4):
+            shk[l] = ks_s[KC + l]
         four = shk[0]
         gbase = shared_addr(grid_s)
         sbase = shared_addr(ks_s)
-        glane = gbase if CP == 1 else gbase + uint32(lane << 2)     # the lane's copy
-        slane = sbase if CP == 1 else uint32(lane << 2)
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
         res = cuda.local.array(2, float32)
@@ -2486,17 +2460,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, glane))
+                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
                         # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
-                        # (32 copies: x 128, and l = 1's field is in place)
-                        if CP > 1 and l == 1:
-                            sraw = aux1
-                        else:
-                            sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                        if CP == 1:
-                            ssel = lds32(and_or(sraw, SMASK, slane))
-                        else:
-                            ssel = lds32(and_or(sraw, SMASK, slane) + sbase)
+                        sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
@@ -3110,25 +3077,6 @@ def _iq2_selector_tables_device():
     if _SEL_TABLES is None:
         _SEL_TABLES = tuple(cuda.to_device(t) for t in iq2_selector_tables())
     return _SEL_TABLES
-
-
-_COPIES_TABLES = None
-
-
-def iq2_copies_tables():
-    """moe_gate_up_halves with _GU_COPIES 32: the selector tables, ks's 128 words followed by the
-    kernel's register constants (128, unused, the mulhi multipliers 2^25 and 2^18: >> 7, >> 14)
-    and iq2_permute's pos once per lane."""
-    gsel, ssel = iq2_selector_tables()
-    extra = np.array([128, 0, 1 << 25, 1 << 18] + [0x2B190800] * 32, dtype=np.uint32)
-    return gsel, np.concatenate([ssel, extra])
-
-
-def _iq2_copies_tables_device():
-    global _COPIES_TABLES
-    if _COPIES_TABLES is None:
-        _COPIES_TABLES = tuple(cuda.to_device(t) for t in iq2_copies_tables())
-    return _COPIES_TABLES
 
 
 def _moe_gate_up_tiles_staged_kernel(NH, max_regs=_GU_ST_REGS):
@@ -3966,16 +3914,13 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
         # lists (NSB, PRE)
         extra = () if _GU_DEFER and not _REGS_GU_HALVES else (_GU_DEFER, _REGS_GU_HALVES)
-        tables = _iq2_selector_tables_device() if _GU_COPIES == 1 else _iq2_copies_tables_device()
-        if _GU_COPIES > 1:
-            extra = (_GU_DEFER, _REGS_GU_HALVES, _IQ2_REPACKED_GATE_UP, _GU_COPIES)
         if _IQ2_REPACKED_GATE_UP:
             if F.row_bytes(gate_type, n_embd) % 16:
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-            extra = (_GU_DEFER, _REGS_GU_HALVES, True, _GU_COPIES)
+            extra = (_GU_DEFER, _REGS_GU_HALVES, True)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
-        shmem = 0
+        tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
         regs = _REGS_GATE_UP

@@ -76,8 +76,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   table lookup whose address the caller computes, e.g. ``imad(index, four, base)`` with ``four``
   a register holding 4, so that ptxas issues an IMAD (the FMA pipe) where array indexing gives a
   LEA (the integer ALU pipe, the busiest of the gate/up decode).
-* ``sts_x4(addr, v)``: v stored to the 4 words at shared-window address addr (16-byte aligned) in
-  one st.shared.v4: a table filled in copies, 4 copies per instruction.
 * ``mulhi(a, b)``: the high 32 bits of the unsigned product (mul.hi.u32): with b = 2^(32 - n) in a
   register, a >> n on the FMA pipe instead of a shift on the ALU pipe.
 * ``and_or(x, m, b)``: (x & m) | b (one LOP3): a pre-scaled table index plus a base aligned past m.
@@ -277,12 +275,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def lds32(addr):
         base = int(addr) & ~((1 << 20) - 1)
         return np.uint32(int(_flat(_SIM_SHARED[base])[(int(addr) - base) >> 2]) & 0xFFFFFFFF)
-
-    def sts_x4(addr, v):
-        base = int(addr) & ~((1 << 20) - 1)
-        s = _flat(_SIM_SHARED[base])
-        i = (int(addr) - base) >> 2
-        s[i:i + 4] = v
 
     def mulhi(a, b):
         return np.uint32(((int(a) & 0xFFFFFFFF) * (int(b) & 0xFFFFFFFF)) >> 32)
@@ -695,20 +687,6 @@ else:
     and_or = _ternary_asm("and_or", types.uint32, "{ .reg .b32 t; and.b32 t, $1, $2; or.b32 $0, t, $3; }")
     # a load: the memory clobber keeps it after the barrier that follows the table's fill
     lds32 = _unary_asm("lds32", types.uint32, "ld.shared.u32 $0, [$1];", constraints="=r,r,~{memory}")
-
-    @intrinsic
-    def sts_x4(typingctx, addr, v):
-        if not (isinstance(addr, types.Integer) and isinstance(v, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, a, t) for a, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)] * 2)
-            asm = "st.shared.v4.u32 [$0], {$1, $1, $1, $1};"
-            builder.call(ir.InlineAsm(fnty, asm, "r,r,~{memory}", side_effect=True), vals)
-            return context.get_dummy_value()
-
-        return types.void(addr, v), codegen
 
     @intrinsic
     def shared_addr(typingctx, s):

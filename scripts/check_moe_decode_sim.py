@@ -345,16 +345,6 @@ def halves_checks():
         _knobs(_IQ2_REPACKED_GATE_UP=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
-    # the tables in 32 copies (_GU_COPIES), on the file's rows (K 768, 4096) and repacked ones (4096)
-    for n_embd, rep in ((768, False), (4096, False), (4096, True)):
-        _knobs(_GU_HALVES=True, _RPB_GATE_UP=2, _NW_GATE_UP=2, _IQ2_REPACKED_GATE_UP=False, _GU_COPIES=1)
-        ref = gate_up(n_embd, 3, 2, 7)
-        _knobs(_GU_COPIES=32, _IQ2_REPACKED_GATE_UP=rep)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7, repacked=rep), ref))
-        _knobs(_GU_COPIES=1, _IQ2_REPACKED_GATE_UP=False)
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up halves, tables in 32 copies{' on repacked rows' if rep else ''}: "
-              f"K {n_embd}", flush=True)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)

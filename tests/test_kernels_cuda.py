@@ -308,8 +308,7 @@ def test_moe_gate_up_variants_give_the_same_bits(experts, moe_knobs, x_regs, spl
 # warp per output row): the reference the later variants are held to, bit for bit
 _FIRST_MOE_DECODE = dict(_CONST_STEPS_GATE_UP=False, _NCH_GATE_UP=0, _RPB_GATE_UP=8, _NW_GATE_UP=8,
                          _X_REGS_GATE_UP=True, _IQ2_SPLIT_SIGNS=False, _R_DOWN_SLOTS=0,
-                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _GU_COPIES=1,
-                         _DOWN_SB=0)
+                         _IQ2_PERM_GATE_UP=False, _PRE_GATE_UP=False, _GU_HALVES=False, _DOWN_SB=0)
 
 
 def _assert_moe_decode_bits_unchanged(experts, moe_knobs, seed, **variant):
@@ -431,15 +430,6 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
-@pytest.mark.parametrize("rpb,nw", [(4, 6), (8, 8)])
-def test_moe_gate_up_halves_table_copies_same_bits(experts, moe_knobs, rpb, nw):
-    """moe_gate_up_halves with its lookup tables in 32 copies (_GU_COPIES: a bank per lane, the
-    sign table's base added after the mask) on the flash rows: the same table words, so the same
-    mid and MoE output bits as the first gate/up kernel."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 27, _GU_HALVES=True, _GU_COPIES=32,
-                                      _RPB_GATE_UP=rpb, _NW_GATE_UP=nw)
-
-
 @pytest.mark.parametrize("defer", [True, False])
 def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer):
     """moe_gate_up_halves with the SwiGLU of 32 units at once (_GU_DEFER, the default) and with one
@@ -506,9 +496,6 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     if n_embd % 2048 == 0:          # moe_gate_up_halves reads them in 16-byte words: rows of 8k super-blocks
         moe_knobs(_GU_HALVES=True)
         assert np.array_equal(mid(), want), "moe_gate_up_halves on repacked rows"
-        moe_knobs(_GU_COPIES=32)
-        assert np.array_equal(mid(), want), "moe_gate_up_halves, 32 table copies, on repacked rows"
-        moe_knobs(_GU_COPIES=1)
     for o in (og, ou):
         K.iq2_xxs_relayout(arena, o, n_used * n_ff, n_embd, to_repacked=False)
     assert np.array_equal(arena.copy_to_host(), before)
