@@ -493,7 +493,7 @@ def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     assert np.array_equal(mid(), want)
     moe_knobs(_PRE_GATE_UP=True)                     # the tables filled before pdl_enter
     assert np.array_equal(mid(), want)
-    if n_embd % 2048 == 0:          # moe_gate_up_halves reads them in 16-byte words: rows of 8k super-blocks
+    if F.row_bytes(F.IQ2_XXS, n_embd) % 16 == 0:      # moe_gate_up_halves' rule for repacked rows
         moe_knobs(_GU_HALVES=True)
         assert np.array_equal(mid(), want), "moe_gate_up_halves on repacked rows"
     for o in (og, ou):
