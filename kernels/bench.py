@@ -839,6 +839,19 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
+def bench_tune_ablate(timer, copy_bw, rng, log, moe):
+    """moe_gate_up_halves with parts of its work removed (_GU_ABLATE: wrong bits, times only): where
+    its time goes. 1: no sign lookups, 2: no grid lookups, 4: no weight loads."""
+    names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP")
+    variants = [(0, False), (1, False), (3, False), (4, False), (5, False), (7, False), (0, True),
+                (1, True), (3, True), (0, False)]
+
+    def describe(k):
+        return f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
+
+    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
+
+
 def bench_tune_down(timer, copy_bw, rng, log, moe):
     """The Q2_K down decode: moe_down_decode_slots (R rows per block) against moe_down_sb (the
     shipped one, _DOWN_SB rows per block: a lane per super-block, the weights through shared
@@ -1068,7 +1081,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "tune_ablate"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1090,6 +1103,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
     if "tune_halves" in parts:
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
+    if "tune_ablate" in parts:
+        res["tune_ablate"] = bench_tune_ablate(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

@@ -2296,7 +2296,11 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
+_GU_ABLATE = 0   # bench only (kbench tune_ablate; wrong bits): 1 no sign lookups, 2 no grid lookups,
+                 # 4 no weight loads (words made from the row offset), or'ed
+
+
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, ABLATE=0):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2360,7 +2364,12 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         base = start >> 2
         for i in range(NWD):
             w[o + i] = uint32(0)
-        if REPACKED:
+        if ABLATE & 4:
+            if valid:
+                for i in range(9):
+                    w[o + i] = uint32(start) * uint32(2 * i + 1)
+                w[o + 9] = uint32(0x3C00)
+        elif REPACKED:
             if valid:
                 qbase = (roff >> 2) + 16 * sb + 8 * h
                 w[o], w[o + 1], w[o + 2], w[o + 3] = ld_quad(a32, _ix(qbase))
@@ -2460,10 +2469,16 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+                        if ABLATE & 2:
+                            gsel = imad(bfe(aux0, 8 * l, 8), four, gbase) & uint32(0x33333333)
+                        else:
+                            gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
                         # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
                         sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
+                        if ABLATE & 1:
+                            ssel = and_or(sraw, 0x7F << 2, sbase) & uint32(0x44444444)
+                        else:
+                            ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
@@ -3919,6 +3934,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
             extra = (_GU_DEFER, _REGS_GU_HALVES, True)
+        if _GU_ABLATE:
+            extra = (_GU_DEFER, _REGS_GU_HALVES, _IQ2_REPACKED_GATE_UP, _GU_ABLATE)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
