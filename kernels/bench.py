@@ -842,12 +842,15 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
 def bench_tune_ablate(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves with parts of its work removed (_GU_ABLATE: wrong bits, times only): where
     its time goes. 1: no sign lookups, 2: no grid lookups, 4: no weight loads."""
-    names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP")
-    variants = [(0, False), (1, False), (3, False), (4, False), (5, False), (7, False), (0, True),
-                (1, True), (3, True), (0, False)]
+    names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP", "_GU_T128", "_T128_NW")
+    variants = [(0, False, False, 24), (0, False, True, 24), (1, False, False, 24), (3, False, False, 24),
+                (4, False, False, 24), (5, False, False, 24), (7, False, False, 24),
+                (0, True, False, 24), (0, True, True, 24), (0, False, True, 16), (1, True, False, 24),
+                (0, False, False, 24), (0, False, True, 24)]
 
     def describe(k):
-        return f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
+        return (f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
+                + (f" joint table, {k['_T128_NW']} warps" if k["_GU_T128"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

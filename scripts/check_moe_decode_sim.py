@@ -356,6 +356,21 @@ def halves_checks():
     return bad
 
 
+def t128_checks():
+    bad = 0
+    # moe_gate_up_halves with the joint 128 KB table (_GU_T128) against the shipped halves kernel
+    for n_embd in (256, 1280, 4096):
+        _knobs(_GU_HALVES=True, _GU_T128=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
+        ref = gate_up(n_embd, 3, 2, 7)
+        _knobs(_GU_T128=True, _T128_RPB=2, _T128_NW=4)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+        _knobs(_GU_T128=False)
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table: K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False)
+    return bad
+
+
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -382,6 +397,10 @@ def main():
         bad = twins_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
+    if only == "t128":
+        bad = t128_checks()
+        print("all MoE decode simulator checks passed" if not bad else f"{bad} BAD")
+        return bad
     if only in ("down", "halves"):
         bad = down_sb_checks() if only == "down" else halves_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
