@@ -2459,10 +2459,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         for l in range(4):
             shk[l] = ks_s[KC + l]
         four = shk[0]
-        c512 = uint32(0)                               # T128: a grid index's row of 128 words
-        tbase = uint32(0)
         if T128:
-            c512 = ks_s[KC + 36]
+            c512 = ks_s[KC + 36]                       # a grid index's row of 128 words
             tbase = _t128_base(tab)
         gbase = shared_addr(grid_s)
         sbase = shared_addr(ks_s)

@@ -4,7 +4,8 @@ kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the defaul
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
-only, `... halves` the gate/up halves kernel only (tests/test_moe_sim.py runs both).
+only, `... halves` the gate/up halves kernel only, `... t128` its joint-table variant (_GU_T128)
+against it (tests/test_moe_sim.py runs each).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -392,15 +393,15 @@ def down_sb_checks():
 
 def main():
     bad = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins" / "t128": those only
     if only == "twins":              # its exact fma stays patched in: run on its own
         bad = twins_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
     if only == "t128":
         bad = t128_checks()
-        print("all MoE decode simulator checks passed" if not bad else f"{bad} BAD")
-        return bad
+        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
+        return 1 if bad else 0
     if only in ("down", "halves"):
         bad = down_sb_checks() if only == "down" else halves_checks()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
