@@ -3972,21 +3972,18 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
-        # lists (NSB, PRE)
-        extra = () if _GU_DEFER and not _REGS_GU_HALVES else (_GU_DEFER, _REGS_GU_HALVES)
-        if _IQ2_REPACKED_GATE_UP:
-            if F.row_bytes(gate_type, n_embd) % 16:
-                raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
-                                 "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-            extra = (_GU_DEFER, _REGS_GU_HALVES, True)
-        if _GU_ABLATE:
-            extra = (_GU_DEFER, _REGS_GU_HALVES, _IQ2_REPACKED_GATE_UP, _GU_ABLATE)
-        rpb, nwarps, shmem = _RPB_GATE_UP, _NW_GATE_UP, 0
+        if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
+            raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
+                             "multiple of 8 super-blocks (expert bases 16-byte aligned)")
+        # T128: 24 warps of at most 80 registers fill an SM's register file beside the table
+        regs = _REGS_GU_HALVES or (80 if _GU_T128 else 0)
+        variant = (_GU_DEFER, regs, _IQ2_REPACKED_GATE_UP, _GU_ABLATE, _GU_T128)
+        # the defaults are left out of the key: kernels/manifest.json lists (NSB, PRE)
+        extra = () if variant == (True, 0, False, 0, False) else variant
         if _GU_T128:
-            # 24 warps of at most 80 registers fill an SM's register file beside the table
-            extra = (_GU_DEFER, _REGS_GU_HALVES or 80, _IQ2_REPACKED_GATE_UP, 0, True)
             rpb, nwarps, shmem = _T128_RPB, _T128_NW, _T128_BYTES
+        else:
+            rpb, nwarps, shmem = _RPB_GATE_UP, _NW_GATE_UP, 0
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables = _iq2_selector_tables_device()
     else:
@@ -4002,7 +3999,7 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         kernel = _cached(_moe_gate_up_decode_kernel, gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre)
         tables = _iq2_selector_tables_device() if perm else _iq2_tables()
         shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
-        rpb, nwarps = _RPB_GATE_UP, _NW_GATE_UP     # both kernels: the same grid, block and arguments
+        rpb, nwarps = _RPB_GATE_UP, _NW_GATE_UP     # the halves kernel's grid and block too (T128 aside)
     args = (a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
             _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
             np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), *tables)
