@@ -844,7 +844,8 @@ def bench_tune_ablate(timer, copy_bw, rng, log, moe):
     its time goes. 1: no sign lookups, 2: no grid lookups, 4: no weight loads."""
     names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP", "_GU_T128", "_T128_NW")
     variants = [(0, False, False, 24), (0, False, True, 24), (3, False, False, 24), (7, False, False, 24),
-                (0, False, False, 24), (0, False, True, 24), (1, False, False, 24), (4, False, False, 24)]
+                (0, False, False, 24), (0, False, True, 24), (1, False, False, 24), (4, False, False, 24),
+                (0, True, True, 24), (0, True, False, 24)]
 
     def describe(k):
         return (f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")

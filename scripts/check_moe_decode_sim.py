@@ -368,6 +368,14 @@ def t128_checks():
         _knobs(_GU_T128=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table: K {n_embd}", flush=True)
+    # with the rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP) too
+    _knobs(_GU_HALVES=True, _GU_T128=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
+    ref = gate_up(2048, 3, 2, 7)
+    _knobs(_GU_T128=True, _IQ2_REPACKED_GATE_UP=True)
+    ok = all(np.array_equal(a, b) for a, b in zip(gate_up(2048, 3, 2, 7, repacked=True), ref))
+    _knobs(_GU_T128=False, _IQ2_REPACKED_GATE_UP=False)
+    bad += not ok
+    print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table on repacked rows: K 2048", flush=True)
     _knobs(_GU_HALVES=False)
     return bad
 
