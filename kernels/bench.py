@@ -843,9 +843,11 @@ def bench_tune_ablate(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves with parts of its work removed (_GU_ABLATE: wrong bits, times only): where
     its time goes. 1: no sign lookups, 2: no grid lookups, 4: no weight loads."""
     names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP", "_GU_T128", "_T128_NW")
+    # the most telling first (a run cut short still answers): shipped, joint table, no lookups, no
+    # lookups and no loads, joint table on repacked rows, no loads, no sign lookups, then drift
     variants = [(0, False, False, 24), (0, False, True, 24), (3, False, False, 24), (7, False, False, 24),
-                (0, False, False, 24), (0, False, True, 24), (1, False, False, 24), (4, False, False, 24),
-                (0, True, True, 24), (0, True, False, 24)]
+                (0, True, True, 24), (4, False, False, 24), (1, False, False, 24),
+                (0, False, False, 24), (0, False, True, 24), (0, True, False, 24)]
 
     def describe(k):
         return (f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
