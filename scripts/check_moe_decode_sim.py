@@ -360,23 +360,16 @@ def halves_checks():
 def t128_checks():
     bad = 0
     # moe_gate_up_halves with the joint 128 KB table (_GU_T128) against the shipped halves kernel
-    for n_embd in (256, 1280, 4096):
-        _knobs(_GU_HALVES=True, _GU_T128=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
+    # on the file's rows; at K 2048 on rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP) too
+    for n_embd, repacked in ((256, False), (1280, False), (4096, False), (2048, True)):
+        _knobs(_GU_HALVES=True, _GU_T128=False, _IQ2_REPACKED_GATE_UP=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
         ref = gate_up(n_embd, 3, 2, 7)
-        _knobs(_GU_T128=True, _T128_RPB=2, _T128_NW=4)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-        _knobs(_GU_T128=False)
+        _knobs(_GU_T128=True, _IQ2_REPACKED_GATE_UP=repacked, _T128_RPB=2, _T128_NW=4)
+        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7, repacked=repacked), ref))
         bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table: K {n_embd}", flush=True)
-    # with the rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP) too
-    _knobs(_GU_HALVES=True, _GU_T128=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
-    ref = gate_up(2048, 3, 2, 7)
-    _knobs(_GU_T128=True, _IQ2_REPACKED_GATE_UP=True)
-    ok = all(np.array_equal(a, b) for a, b in zip(gate_up(2048, 3, 2, 7, repacked=True), ref))
-    _knobs(_GU_T128=False, _IQ2_REPACKED_GATE_UP=False)
-    bad += not ok
-    print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table on repacked rows: K 2048", flush=True)
-    _knobs(_GU_HALVES=False)
+        print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table{' on repacked rows' if repacked else ''}: "
+              f"K {n_embd}", flush=True)
+    _knobs(_GU_HALVES=False, _GU_T128=False, _IQ2_REPACKED_GATE_UP=False)
     return bad
 
 
@@ -402,16 +395,10 @@ def down_sb_checks():
 def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins" / "t128": those only
-    if only == "twins":              # its exact fma stays patched in: run on its own
-        bad = twins_checks()
-        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
-        return 1 if bad else 0
-    if only == "t128":
-        bad = t128_checks()
-        print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
-        return 1 if bad else 0
-    if only in ("down", "halves"):
-        bad = down_sb_checks() if only == "down" else halves_checks()
+    # groups run on their own (twins: its exact fma stays patched in)
+    groups = {"twins": twins_checks, "t128": t128_checks, "down": down_sb_checks, "halves": halves_checks}
+    if only in groups:
+        bad = groups[only]()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
         return 1 if bad else 0
     if only in ("", "q8"):
