@@ -839,23 +839,6 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
-def bench_tune_ablate(timer, copy_bw, rng, log, moe):
-    """moe_gate_up_halves with parts of its work removed (_GU_ABLATE: wrong bits, times only): where
-    its time goes. 1: no sign lookups, 2: no grid lookups, 4: no weight loads."""
-    names = ("_GU_ABLATE", "_IQ2_REPACKED_GATE_UP", "_GU_T128", "_T128_NW")
-    # the most telling first (a run cut short still answers): shipped, joint table, no lookups, no
-    # lookups and no loads, joint table on repacked rows, no loads, no sign lookups, then drift
-    variants = [(0, False, False, 24), (0, False, True, 24), (3, False, False, 24), (7, False, False, 24),
-                (0, True, True, 24), (4, False, False, 24), (1, False, False, 24),
-                (0, False, False, 24), (0, False, True, 24), (0, True, False, 24)]
-
-    def describe(k):
-        return (f"ablate {k['_GU_ABLATE']}" + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "")
-                + (f" joint table, {k['_T128_NW']} warps" if k["_GU_T128"] else ""))
-
-    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
-
-
 def bench_tune_down(timer, copy_bw, rng, log, moe):
     """The Q2_K down decode: moe_down_decode_slots (R rows per block) against moe_down_sb (the
     shipped one, _DOWN_SB rows per block: a lane per super-block, the weights through shared
@@ -1085,7 +1068,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "tune_ablate"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1107,8 +1090,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_gu"] = bench_tune_gu(timer, copy_bw, rng, log, moe)
     if "tune_halves" in parts:
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
-    if "tune_ablate" in parts:
-        res["tune_ablate"] = bench_tune_ablate(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

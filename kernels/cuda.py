@@ -1979,27 +1979,6 @@ def _load_iq2_tables(grid_s, ks_s, grid_g, ks_g):
 
 
 @_inline
-def _t128_base(tab):
-    """The shared address of the joint table: the dynamic array's first 512-byte boundary."""
-    return (shared_addr(tab) + uint32(511)) & uint32(0xFFFFFE00)
-
-
-@_inline
-def _fill_t128(tab, tab64, grid_s, ks_s):
-    """The joint IQ2_XXS table of moe_gate_up_halves (T128): word 128 g + s = grid_s[g] | ks_s[s],
-    the whole byte-permute selector of grid entry g with sign index s, two words per store.
-    A thread's pair of sign words is the same for all its stores (blockDim a multiple of 64)."""
-    t = cuda.threadIdx.x
-    first = (_t128_base(tab) - shared_addr(tab)) >> uint32(3)    # in 8-byte words
-    s = (2 * t) & 127
-    pair = uint64(ks_s[s]) | (uint64(ks_s[s + 1]) << uint64(32))
-    for p in range(t, 256 * 64, cuda.blockDim.x):
-        gv = uint64(grid_s[p >> 6])
-        tab64[_ix(first + p)] = pair | gv | (gv << uint64(32))
-    cuda.syncthreads()
-
-
-@_inline
 def _stage_row(xs, dst, xq32, src, k4):
     """Copy k4 activation words from xq32[src:] into the padded shared layout at xs[dst:]."""
     for p in range(cuda.threadIdx.x, k4, cuda.blockDim.x):
@@ -2317,18 +2296,7 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 
 
-_GU_ABLATE = 0   # bench only (kbench tune_ablate; wrong bits): 1 no sign lookups, 2 no grid lookups,
-                 # 4 no weight loads (words made from the row offset), or'ed
-
-
-_GU_T128 = False      # moe_gate_up_halves with one lookup per 8 weights in a 128 KB (grid x signs) table
-_T128_RPB = 16        # its block: one per SM (the table), 24 warps, 16 rows x 6 slots = 4 units a warp
-_T128_NW = 24
-_T128_BYTES = 256 * 128 * 4 + 512   # the table (selector word of grid index g, sign index s at
-                                     # 128 g + s) and room to align it to 512 bytes
-
-
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, ABLATE=0, T128=False):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2378,7 +2346,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # ks_s: the 128 sign masks, then the multipliers (registers, not immediates, so that ptxas
     # keeps IMAD / IMAD.HI): 4 at KC, 2^(34 - 7 l) at KC + l, then pos once per lane at KC + 4
     KC = 128
-    KS_N = KC + 4 + 32 + (1 if T128 else 0)     # T128: 512 at KC + 36
+    KS_N = KC + 4 + 32
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
@@ -2392,12 +2360,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         base = start >> 2
         for i in range(NWD):
             w[o + i] = uint32(0)
-        if ABLATE & 4:
-            if valid:
-                for i in range(9):
-                    w[o + i] = uint32(start) * uint32(2 * i + 1)
-                w[o + 9] = uint32(0x3C00)
-        elif REPACKED:
+        if REPACKED:
             if valid:
                 qbase = (roff >> 2) + 16 * sb + 8 * h
                 w[o], w[o + 1], w[o + 2], w[o + 3] = ld_quad(a32, _ix(qbase))
@@ -2421,11 +2384,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
-        if T128:
-            tab = cuda.shared.array(0, uint32)
-            tab64 = cuda.shared.array(0, uint64)        # the same bytes
-            cuda.syncthreads()
-            _fill_t128(tab, tab64, grid_s, ks_s)
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
         if cuda.threadIdx.x == 0:
@@ -2434,8 +2392,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 ks_s[KC + l] = uint32(1 << (34 - 7 * l))    # mulhi by it: >> (7 l - 2)
         if cuda.threadIdx.x < 32:       # pos (iq2_permute's bytes 0, 8, 25, 43) once per lane:
             ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)   # see below
-        if T128 and cuda.threadIdx.x == 0:
-            ks_s[KC + 36] = uint32(512)
         cuda.syncthreads()
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
@@ -2459,9 +2415,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         for l in range(4):
             shk[l] = ks_s[KC + l]
         four = shk[0]
-        if T128:
-            c512 = ks_s[KC + 36]                       # a grid index's row of 128 words
-            tbase = _t128_base(tab)
         gbase = shared_addr(grid_s)
         sbase = shared_addr(ks_s)
         c32 = float32(clamp)
@@ -2507,24 +2460,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
                     for l in range(4):
-                        if T128:
-                            # one lookup: word 128 g + s of the joint table (grid byte l of aux0,
-                            # sign index bits 7 l.. of aux1; the table 512-aligned, so the sign
-                            # part is or'ed in as in the sign table's lookup)
-                            sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                            gsel = lds32(and_or(sraw, 0x7F << 2, imad(bfe(aux0, 8 * l, 8), c512, tbase)))
-                            ssel = uint32(0)
-                        else:
-                            if ABLATE & 2:
-                                gsel = imad(bfe(aux0, 8 * l, 8), four, gbase) & uint32(0x33333333)
-                            else:
-                                gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
-                            # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
-                            sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                            if ABLATE & 1:
-                                ssel = and_or(sraw, 0x7F << 2, sbase) & uint32(0x44444444)
-                            else:
-                                ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
+                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+                        # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
+                        sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
@@ -3972,20 +3911,16 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
-            raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
-                             "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-        # T128: 24 warps of at most 80 registers fill an SM's register file beside the table
-        regs = _REGS_GU_HALVES or (80 if _GU_T128 else 0)
-        variant = (_GU_DEFER, regs, _IQ2_REPACKED_GATE_UP, _GU_ABLATE, _GU_T128)
-        # the defaults are left out of the key: kernels/manifest.json lists (NSB, PRE)
-        extra = () if variant == (True, 0, False, 0, False) else variant
-        if _GU_T128:
-            rpb, nwarps, shmem = _T128_RPB, _T128_NW, _T128_BYTES
-        else:
-            rpb, nwarps, shmem = _RPB_GATE_UP, _NW_GATE_UP, 0
+        # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
+        # lists (NSB, PRE)
+        extra = () if _GU_DEFER and not _REGS_GU_HALVES else (_GU_DEFER, _REGS_GU_HALVES)
+        if _IQ2_REPACKED_GATE_UP:
+            if F.row_bytes(gate_type, n_embd) % 16:
+                raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
+                                 "multiple of 8 super-blocks (expert bases 16-byte aligned)")
+            extra = (_GU_DEFER, _REGS_GU_HALVES, True)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
-        tables = _iq2_selector_tables_device()
+        tables, shmem = _iq2_selector_tables_device(), 0
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
         regs = _REGS_GATE_UP
@@ -3999,28 +3934,11 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         kernel = _cached(_moe_gate_up_decode_kernel, gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre)
         tables = _iq2_selector_tables_device() if perm else _iq2_tables()
         shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
-        rpb, nwarps = _RPB_GATE_UP, _NW_GATE_UP     # the halves kernel's grid and block too (T128 aside)
-    args = (a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
-            _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
-            np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), *tables)
-    if shmem > 48 * 1024:
-        _allow_dynamic_shared(kernel, args, shmem)
-    kernel[(n_ff + rpb - 1) // rpb, nwarps * WARP, _stream(stream), shmem](*args)
-
-
-def _allow_dynamic_shared(kernel, args, nbytes):
-    """Lift the 48 KB default cap on a kernel's dynamic shared memory (once per dispatcher): the
-    CUDA driver needs the compiled kernel's attribute set before a launch asks for more."""
-    if SIMULATOR or getattr(kernel, "_ds4py_shared_cap", 0) >= nbytes:
-        return
-    from cuda.bindings import driver as drv
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    handle = compiled._codelibrary.get_cufunc().handle
-    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    err, = drv.cuKernelSetAttribute(attr, nbytes, handle, drv.CUdevice(cuda.get_current_device().id))
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cannot give a kernel {nbytes} bytes of shared memory: {err}")
-    kernel._ds4py_shared_cap = nbytes
+    rpb = _RPB_GATE_UP          # both kernels: the same grid, block and arguments
+    kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
+        a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
+        _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
+        np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), *tables)
 
 
 def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, stream=0, hc=None):

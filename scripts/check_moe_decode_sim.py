@@ -4,8 +4,7 @@ kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the defaul
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
-only, `... halves` the gate/up halves kernel only, `... t128` its joint-table variant (_GU_T128)
-against it (tests/test_moe_sim.py runs each).
+only, `... halves` the gate/up halves kernel only (tests/test_moe_sim.py runs each).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -357,22 +356,6 @@ def halves_checks():
     return bad
 
 
-def t128_checks():
-    bad = 0
-    # moe_gate_up_halves with the joint 128 KB table (_GU_T128) against the shipped halves kernel
-    # on the file's rows; at K 2048 on rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP) too
-    for n_embd, repacked in ((256, False), (1280, False), (4096, False), (2048, True)):
-        _knobs(_GU_HALVES=True, _GU_T128=False, _IQ2_REPACKED_GATE_UP=False, _RPB_GATE_UP=2, _NW_GATE_UP=2)
-        ref = gate_up(n_embd, 3, 2, 7)
-        _knobs(_GU_T128=True, _IQ2_REPACKED_GATE_UP=repacked, _T128_RPB=2, _T128_NW=4)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7, repacked=repacked), ref))
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up halves, joint table{' on repacked rows' if repacked else ''}: "
-              f"K {n_embd}", flush=True)
-    _knobs(_GU_HALVES=False, _GU_T128=False, _IQ2_REPACKED_GATE_UP=False)
-    return bad
-
-
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -394,9 +377,9 @@ def down_sb_checks():
 
 def main():
     bad = 0
-    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins" / "t128": those only
+    only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
     # groups run on their own (twins: its exact fma stays patched in)
-    groups = {"twins": twins_checks, "t128": t128_checks, "down": down_sb_checks, "halves": halves_checks}
+    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks}
     if only in groups:
         bad = groups[only]()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")

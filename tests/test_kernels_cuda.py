@@ -461,24 +461,6 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
-def test_moe_gate_up_joint_table_same_bits(experts, moe_knobs):
-    """moe_gate_up_halves with the joint 128 KB grid x sign table (_GU_T128: one lookup per 8
-    weights, one block of 24 warps per SM, dynamic shared memory past 48 KB) against the first
-    gate/up kernel on the flash rows: the same selector words, so the same bits."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 37, _GU_HALVES=True, _GU_T128=True)
-
-
-@pytest.mark.parametrize("n_embd", [256, 1280, 4096])
-@pytest.mark.parametrize("extra", [0, 2])
-def test_moe_gate_up_joint_table_short_rows(moe_knobs, n_embd, extra):
-    """The joint-table kernel on rows of 1, 5 and 16 super-blocks on both word alignments, n_ff 20
-    (one partial block), against the first gate/up kernel bit for bit."""
-    moe_knobs(**_FIRST_MOE_DECODE)
-    ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
-    moe_knobs(_GU_HALVES=True, _GU_T128=True)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
-
-
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
 def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     """_IQ2_REPACKED_GATE_UP (the byte-permute kernel, and moe_gate_up_halves on rows of a multiple
