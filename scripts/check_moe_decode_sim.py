@@ -380,6 +380,9 @@ def main():
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
     # groups run on their own (twins: its exact fma stays patched in)
     groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks}
+    if only not in ("", "perm", "q8", *groups):
+        print(f"unknown group {only!r}: name one of perm, q8, {', '.join(groups)}, or none for all")
+        return 2
     if only in groups:
         bad = groups[only]()
         print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
