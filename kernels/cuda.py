@@ -2296,7 +2296,21 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
+_GU_AHEAD = False  # moe_gate_up_halves issues a sub-block's 8 selector lookups before its permutes
+                   # (ptxas then loads up to two groups ahead; the same 76 registers and SASS count)
+
+
+@_inline
+def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
+    """The grid and sign selector words of group l of an IQ2_XXS sub-block (moe_gate_up_halves):
+    grid byte l of aux0, sign index bits 7 l .. 7 l + 6 of aux1, both looked up in shared memory."""
+    gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
+    # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
+    sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
+    return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
+
+
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, AHEAD=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2419,6 +2433,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         sbase = shared_addr(ks_s)
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
+        sels = cuda.local.array(8, uint32)
         res = cuda.local.array(2, float32)
         roffs = cuda.local.array(2, int64)
         shs = cuda.local.array(2, uint32)
@@ -2459,11 +2474,14 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
+                    if AHEAD:
+                        for l in range(4):
+                            sels[2 * l], sels[2 * l + 1] = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
                     for l in range(4):
-                        gsel = lds32(imad(bfe(aux0, 8 * l, 8), four, gbase))
-                        # l = 0: aux1 << 2; else aux1 >> (7 l - 2): the sign index x 4 either way
-                        sraw = imad(aux1, four, 0) if l == 0 else mulhi(aux1, shk[l])
-                        ssel = lds32(and_or(sraw, 0x7F << 2, sbase))
+                        if AHEAD:
+                            gsel, ssel = sels[2 * l], sels[2 * l + 1]
+                        else:
+                            gsel, ssel = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
@@ -3919,6 +3937,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
             extra = (_GU_DEFER, _REGS_GU_HALVES, True)
+        if _GU_AHEAD:
+            extra = (_GU_DEFER, _REGS_GU_HALVES, _IQ2_REPACKED_GATE_UP, True)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:

@@ -335,6 +335,12 @@ def halves_checks():
             bad += not ok
             print(f"{'ok ' if ok else 'BAD'} gate/up halves, SwiGLU per unit: K {n_embd}", flush=True)
             _knobs(_GU_DEFER=True)
+        if n_embd == 4096:             # a sub-block's lookups issued ahead (_GU_AHEAD): the same bits
+            _knobs(_GU_AHEAD=True)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves, lookups ahead: K {n_embd}", flush=True)
+            _knobs(_GU_AHEAD=False)
     # rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP; 16-byte loads: rows of a multiple
     # of 8 super-blocks), against the file's layout
     for n_embd in (2048, 4096):
