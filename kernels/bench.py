@@ -816,7 +816,8 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves (the shipped gate/up decode) with and without its deferred SwiGLU
     (_GU_DEFER), and other block shapes. Same bits checked against the first variant; the first
     comes again at the end (drift between the first and last minutes)."""
-    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GU_HALVES", "_IQ2_REPACKED_GATE_UP", "_GU_AHEAD")
+    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GU_HALVES", "_IQ2_REPACKED_GATE_UP", "_GU_AHEAD",
+             "_GU_PF")
     # ptxas sm_90: 76 registers with the deferred SwiGLU (4 blocks of 6 warps per SM: 24 warps, and
     # the 512 blocks fill them), 72 without. Capped: 72 without spills (the same 24 warps); 64 (96
     # bytes spilled) fits 32 warps per SM, which rows 4 x warps 8 (512 blocks) and rows 2 x warps 4
@@ -829,15 +830,18 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # H100, session 37: 19.05-19.11 us against 19.65, 3.2x fewer global sectors, L1 still ~80 % busy)
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37). Ahead (_GU_AHEAD): a sub-block's 8 selector lookups issued before its permutes
-    # (ptxas then loads up to two groups ahead; the same 76 registers), on both layouts
-    variants = [(True, 4, 6, 0), (True, 4, 6, 0, False, True), (True, 4, 6, 0, True),
-                (True, 4, 6, 0, True, True), (True, 4, 6, 0), (True, 4, 6, 0, False, True)]
-    variants = [v + (False,) * (6 - len(v)) for v in variants]
+    # (ptxas then loads up to two groups ahead; the same 76 registers), on both layouts. PF
+    # (_GU_PF): L1 prefetches at a unit's start, 1 its up row, 3 also the next unit's gate row
+    variants = [(True, 4, 6, 0), (True, 4, 6, 0, False, False, 1), (True, 4, 6, 0, False, False, 3),
+                (True, 4, 6, 0, False, True), (True, 4, 6, 0, True), (True, 4, 6, 0, True, False, 1),
+                (True, 4, 6, 0), (True, 4, 6, 0, False, False, 1), (True, 4, 6, 0, False, True, 1)]
+    variants = [v + (False, False, 0)[len(v) - 4:] for v in variants]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (" lookups ahead" if k["_GU_AHEAD"] else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (" lookups ahead" if k["_GU_AHEAD"] else "")
+                + (f" prefetch {k['_GU_PF']}" if k["_GU_PF"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
@@ -855,6 +859,44 @@ def bench_tune_down(timer, copy_bw, rng, log, moe):
         return f"sb R {k['_DOWN_SB']}" if k["_DOWN_SB"] else f"slots R {k['_R_DOWN_SLOTS']}"
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
+
+
+def bench_scale_moe(timer, copy_bw, rng, log, moe, slot_counts=(1, 2, 3, 4, 6)):
+    """The shipped MoE decode kernels at 1..6 routed slots (the same grid: fewer (row, slot) units
+    a warp): us per launch with PDL edges against the slot count, and the least-squares line
+    through them. Its intercept is what a launch costs whatever its work (launch, prologue, the
+    first unit's latency, tail); its slope the cost of a slot's weights, set beside the plain
+    read's slope over the same bytes."""
+    res = []
+    for n_used in slot_counts:
+        steps = [_MoEStep(moe, rng, n_used=n_used) for _ in range(8)]
+        for st in steps:
+            st.full(0)
+        _cuda().synchronize()
+        for fn, nbytes in (("gate_up", 2 * moe["stride_gu"] * n_used), ("down", moe["stride_d"] * n_used)):
+            regions = []
+            for st in steps:
+                ids = [int(e) for e in st.ids.copy_to_host()]
+                if fn == "gate_up":
+                    regions += [(moe[m] + e * moe["stride_gu"], moe["stride_gu"]) for e in ids for m in ("og", "ou")]
+                else:
+                    regions += [(moe["od"] + e * moe["stride_d"], moe["stride_d"]) for e in ids]
+            us, us_pdl = _per_launch_us(timer, lambda s: [getattr(st, fn)(s) for st in steps], len(steps), log)
+            read_us = read_ceiling_us(timer, moe["arena"].buf, regions, len(steps))
+            r = dict(kernel=fn, n_used=n_used, weight_MB=nbytes / 1e6, us=us, read_us=read_us)
+            _add_pdl(r, us_pdl, nbytes, copy_bw)
+            res.append(r)
+            log(f"  {fn:8s} slots {n_used}  {nbytes / 1e6:6.2f} MB  {us:7.2f} us{_pdl_text(r)}"
+                f"  | plain read {read_us:6.2f} us")
+    for fn in ("gate_up", "down"):
+        for key in ("us_pdl", "us", "read_us"):
+            pts = [(r["n_used"], r[key]) for r in res if r["kernel"] == fn and r.get(key) is not None]
+            if len(pts) < 2:
+                continue
+            slope, icept = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+            res.append(dict(kernel=fn, fit=key, us_per_slot=float(slope), us_fixed=float(icept)))
+            log(f"  {fn:8s} {key:8s} = {icept:6.2f} us + {slope:5.2f} us per slot")
+    return res
 
 
 # The engine's Q8_0 launches in one decode step: (name, rows of each matrix, K, x_groups)
@@ -1071,7 +1113,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1095,6 +1137,8 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
+    if "scale_moe" in parts:
+        res["scale_moe"] = bench_scale_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:
