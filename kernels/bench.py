@@ -831,10 +831,12 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37). Ahead (_GU_AHEAD): a sub-block's 8 selector lookups issued before its permutes
     # (ptxas then loads up to two groups ahead; the same 76 registers), on both layouts. PF
-    # (_GU_PF): L1 prefetches at a unit's start, 1 its up row, 3 also the next unit's gate row
+    # (_GU_PF): L1 prefetches at a unit's start, 1 its up row, 3 also the next unit's gate row,
+    # 7 both of the next unit's rows
     variants = [(True, 4, 6, 0), (True, 4, 6, 0, False, False, 1), (True, 4, 6, 0, False, False, 3),
-                (True, 4, 6, 0, False, True), (True, 4, 6, 0, True), (True, 4, 6, 0, True, False, 1),
-                (True, 4, 6, 0), (True, 4, 6, 0, False, False, 1), (True, 4, 6, 0, False, True, 1)]
+                (True, 4, 6, 0, False, False, 7), (True, 4, 6, 0, False, True), (True, 4, 6, 0, True),
+                (True, 4, 6, 0, True, False, 1), (True, 4, 6, 0), (True, 4, 6, 0, False, False, 1),
+                (True, 4, 6, 0, False, True, 1)]
     variants = [v + (False, False, 0)[len(v) - 4:] for v in variants]
 
     def describe(k):

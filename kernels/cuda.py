@@ -2301,8 +2301,9 @@ _GU_AHEAD = False  # moe_gate_up_halves issues a sub-block's 8 selector lookups 
 
 
 _GU_PF = 0   # moe_gate_up_halves prefetches into L1 at a unit's start (or'ed): 1 the unit's up row,
-             # 2 the next unit's gate row. ptxas issues the up row's loads only after the gate row's
-             # sums (registers), so a unit waits for DRAM twice; a prefetched line waits in L1
+             # 2 the next unit's gate row, 4 its up row. ptxas issues the up row's loads only after
+             # the gate row's sums (registers), so a unit waits for DRAM twice; a prefetched line
+             # waits in L1
 
 
 @_inline
@@ -2370,8 +2371,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
     RB = 66 * NSB                       # bytes per row
-    PF_LINES = (RB + 126) // 128 + 1    # 128-byte lines a row can touch: lane i < PF_LINES prefetches
-                                        # byte min(128 i, RB - 1) of it
+    PF_LINES = (RB + 126) // 128 + 1    # 128-byte lines a row can touch: the prefetch's lane i of a
+                                        # row fetches byte min(128 i, RB - 1) of it
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2467,12 +2468,18 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 if not PF:
                     load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             if PF:
-                if PF & 1 and lane < PF_LINES:
-                    prefetch_l1(a32, _ix((roffs[1] + min(128 * lane, RB - 1)) >> 2))
-                if PF & 2 and lane >= 16 and lane < 16 + PF_LINES and unit + nwarps < n_units:
-                    r_next, k_next = _next_unit(r, k, nwarps, n_slots)
-                    prefetch_l1(a32, _ix((slot_off[_ix(k_next * 3)] + r_next * rb
-                                          + min(128 * (lane - 16), RB - 1)) >> 2))
+                # lanes [0, L): this unit's up row, [L, 2 L): the next unit's gate row, [2 L, 3 L):
+                # its up row (L = PF_LINES), as PF's bits 1, 2, 4 ask
+                part = lane32 // PF_LINES
+                line = lane32 - part * PF_LINES
+                if part < 3 and PF & (1 << part):
+                    if part == 0:
+                        pf_row = roffs[1]
+                    else:
+                        r_next, k_next = _next_unit(r, k, nwarps, n_slots)
+                        pf_row = slot_off[_ix(k_next * 3 + part - 1)] + r_next * rb
+                    if part == 0 or unit + nwarps < n_units:
+                        prefetch_l1(a32, _ix((pf_row + min(128 * line, RB - 1)) >> 2))
                 for m in range(2):
                     load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a

@@ -337,7 +337,7 @@ def halves_checks():
             _knobs(_GU_DEFER=True)
         # a sub-block's lookups issued ahead (_GU_AHEAD), L1 prefetches (_GU_PF: their addresses
         # stay inside the arena and slot_off): the same bits
-        for name, knob, value in (("lookups ahead", "_GU_AHEAD", True), ("L1 prefetch", "_GU_PF", 3)):
+        for name, knob, value in (("lookups ahead", "_GU_AHEAD", True), ("L1 prefetch", "_GU_PF", 7)):
             if n_embd != 4096 and not (knob == "_GU_PF" and n_embd == 1280):
                 continue
             _knobs(**{knob: value})

@@ -463,10 +463,10 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
 
 @pytest.mark.parametrize("n_embd", [1280, 4096])
 @pytest.mark.parametrize("extra", [0, 2])
-@pytest.mark.parametrize("knobs", [dict(_GU_AHEAD=True), dict(_GU_PF=3)], ids=["lookups_ahead", "prefetch"])
+@pytest.mark.parametrize("knobs", [dict(_GU_AHEAD=True), dict(_GU_PF=7)], ids=["lookups_ahead", "prefetch"])
 def test_moe_gate_up_halves_variants(moe_knobs, n_embd, extra, knobs):
     """moe_gate_up_halves with a sub-block's 8 selector lookups issued before its permutes
-    (_GU_AHEAD), or with L1 prefetches of the unit's up row and the next unit's gate row (_GU_PF),
+    (_GU_AHEAD), or with L1 prefetches of the unit's up row and the next unit's rows (_GU_PF),
     on rows of 5 and 16 super-blocks, both word alignments, against the first gate/up kernel bit
     for bit."""
     moe_knobs(**_FIRST_MOE_DECODE)
