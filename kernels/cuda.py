@@ -2163,6 +2163,9 @@ _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many 
                      # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
                      # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
                      # 16: 11.0 before the activation was staged after the first copies)
+_DOWN_EARLY = 0      # moe_down_sb starts its first _DOWN_EARLY weight groups' copies before pdl_enter
+                     # (kbench tune_down, scale_moe: a fixed ~5 us a launch on the H100 against ~2
+                     # for a plain read of the same bytes)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2753,7 +2756,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R):
+def _moe_down_sb_kernel(NSB, R, EARLY=0):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2779,7 +2782,13 @@ def _moe_down_sb_kernel(NSB, R):
     The activation is staged after the first weight group's copies have started (H200 kbench,
     session 30: 10.2 us against 11.0 staged before them; its x words by cp.async too: 12.1-12.3;
     groups 0 and 1 both copied before the staging: 11.9-12.2 against 10.9-11.1 on the H100,
-    session 34)."""
+    session 34).
+
+    EARLY > 0 (_DOWN_EARLY): the first EARLY weight groups' copies start before pdl_enter, while
+    the previous grid still runs. Legal because slot_off is written at least two grids earlier
+    (route or the host, then gate/up, then the middle's Q8_K): this grid is launched only once the
+    previous one passed its own griddepcontrol.wait (pdl_enter waits, then lets dependents launch),
+    so the grid before that has finished and its writes are visible; the weights are constant."""
     assert 1 <= NSB <= 8 and R % 4 == 0
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
@@ -2815,7 +2824,8 @@ def _moe_down_sb_kernel(NSB, R):
     @_jit_capped(0)
     def moe_down_sb(a16, a32, slot_off, n_used, mq32, md, mbs, nsb, rb, n_embd, out,
                     grid_g, ks_g, hc_on, hc_state, hc_fb, hc_post, hc_comb):
-        pdl_enter()
+        if not EARLY:
+            pdl_enter()
         su = cuda.shared.array(0, uint32)             # dynamic shared memory, as words ...
         sf = cuda.shared.array(0, float32)            # ... and as floats (the same bytes)
         part_n = (n_used * R + 3) & ~3                # [n_used, R] slot results first
@@ -2831,11 +2841,19 @@ def _moe_down_sb_kernel(NSB, R):
         wbase = (ebase + r0 * rb) >> 2                # row r0 (words)
         rw = rb >> 2
         aligned = (ebase & 15) == 0 and (rb & 15) == 0
-        fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
-        stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
-        cp_async_commit()
+        if EARLY:
+            for g in range(EARLY):                    # before the wait: see the docstring
+                fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
+                cp_async_commit()
+            pdl_enter()
+            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)
+        else:
+            fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
+            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
+            cp_async_commit()
         for g in range(1, NG + 1):
-            fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
+            if EARLY == 0 or g >= EARLY:              # (an empty group keeps wait1's count)
+                fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
             cp_async_commit()
             gg = g - 1                                # compute group gg (its copies are done)
             cp_async_wait1()
@@ -3997,7 +4015,8 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        kernel = _cached(_moe_down_sb_kernel, NSB, R)
+        # (the manifest's key is (NSB, R): EARLY joins it only when set)
+        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((_DOWN_EARLY,) if _DOWN_EARLY else ()))
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

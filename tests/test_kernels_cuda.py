@@ -656,6 +656,15 @@ def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
 
+@pytest.mark.parametrize("early", [1, 2])
+@pytest.mark.parametrize("n_ff,extra", [(2048, 0), (2048, 4), (768, 0)])
+def test_moe_down_sb_early_copies_equal_slot_matvecs(early, n_ff, extra, moe_knobs):
+    """moe_down_sb with its first 1 or 2 weight groups copied before pdl_enter (_DOWN_EARLY), by
+    cp.async and word by word, against a Q2_K matvec per slot added in slot order, bit for bit."""
+    moe_knobs(_DOWN_SB=8, _DOWN_EARLY=early)
+    _assert_down_equals_slot_matvecs(n_ff, extra)
+
+
 def test_moe_decode_with_down_sb_same_bits(experts, moe_knobs):
     """One flash-shaped decode MoE with moe_down_sb and moe_gate_up_halves (the engine's decode
     MoE) against the first MoE decode kernels: mid and the output bit for bit."""
