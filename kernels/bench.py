@@ -816,8 +816,7 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     """moe_gate_up_halves (the shipped gate/up decode) with and without its deferred SwiGLU
     (_GU_DEFER), and other block shapes. Same bits checked against the first variant; the first
     comes again at the end (drift between the first and last minutes)."""
-    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GU_HALVES", "_IQ2_REPACKED_GATE_UP", "_GU_AHEAD",
-             "_GU_PF")
+    names = ("_GU_DEFER", "_RPB_GATE_UP", "_NW_GATE_UP", "_REGS_GU_HALVES", "_IQ2_REPACKED_GATE_UP")
     # ptxas sm_90: 76 registers with the deferred SwiGLU (4 blocks of 6 warps per SM: 24 warps, and
     # the 512 blocks fill them), 72 without. Capped: 72 without spills (the same 24 warps); 64 (96
     # bytes spilled) fits 32 warps per SM, which rows 4 x warps 8 (512 blocks) and rows 2 x warps 4
@@ -829,21 +828,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # per thread on the file's layout, L1 82.7 % busy; ptxas: 76 registers, 1,824 SASS against 1,864;
     # H100, session 37: 19.05-19.11 us against 19.65, 3.2x fewer global sectors, L1 still ~80 % busy)
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
-    # session 37). Ahead (_GU_AHEAD): a sub-block's 8 selector lookups issued before its permutes
-    # (ptxas then loads up to two groups ahead; the same 76 registers), on both layouts. PF
-    # (_GU_PF): L1 prefetches at a unit's start, 1 its up row, 3 also the next unit's gate row,
-    # 7 both of the next unit's rows
-    variants = [(True, 4, 6, 0), (True, 4, 6, 0, False, False, 1), (True, 4, 6, 0, False, False, 3),
-                (True, 4, 6, 0, False, False, 7), (True, 4, 6, 0, False, True), (True, 4, 6, 0, True),
-                (True, 4, 6, 0, True, False, 1), (True, 4, 6, 0), (True, 4, 6, 0, False, False, 1),
-                (True, 4, 6, 0, False, True, 1)]
-    variants = [v + (False, False, 0)[len(v) - 4:] for v in variants]
+    # session 37; a sub-block's lookups issued ahead of its permutes, L1 prefetches of the unit's up
+    # row and the next unit's rows: no faster on the H100, session 43)
+    variants = [(True, 4, 6, 0, False), (True, 4, 6, 0, True), (True, 4, 6, 0, False), (True, 4, 6, 0, True)]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (" lookups ahead" if k["_GU_AHEAD"] else "")
-                + (f" prefetch {k['_GU_PF']}" if k["_GU_PF"] else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

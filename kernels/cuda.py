@@ -37,7 +37,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l1, shared_addr, shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2299,16 +2299,6 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 
 
-_GU_AHEAD = False  # moe_gate_up_halves issues a sub-block's 8 selector lookups before its permutes
-                   # (ptxas then loads up to two groups ahead; the same 76 registers and SASS count)
-
-
-_GU_PF = 0   # moe_gate_up_halves prefetches into L1 at a unit's start (or'ed): 1 the unit's up row,
-             # 2 the next unit's gate row, 4 its up row. ptxas issues the up row's loads only after
-             # the gate row's sums (registers), so a unit waits for DRAM twice; a prefetched line
-             # waits in L1
-
-
 @_inline
 def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     """The grid and sign selector words of group l of an IQ2_XXS sub-block (moe_gate_up_halves):
@@ -2319,7 +2309,7 @@ def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, AHEAD=False, PF=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2373,9 +2363,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
-    RB = 66 * NSB                       # bytes per row
-    PF_LINES = (RB + 126) // 128 + 1    # 128-byte lines a row can touch: the prefetch's lane i of a
-                                        # row fetches byte min(128 i, RB - 1) of it
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2445,7 +2432,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         sbase = shared_addr(ks_s)
         c32 = float32(clamp)
         w = cuda.local.array(NW2, uint32)
-        sels = cuda.local.array(8, uint32)
         res = cuda.local.array(2, float32)
         roffs = cuda.local.array(2, int64)
         shs = cuda.local.array(2, uint32)
@@ -2468,23 +2454,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         while unit < n_units:                           # warp-uniform loop
             for m in range(2):                          # gate row, up row: all loads first
                 roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
-                if not PF:
-                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
-            if PF:
-                # lanes [0, L): this unit's up row, [L, 2 L): the next unit's gate row, [2 L, 3 L):
-                # its up row (L = PF_LINES), as PF's bits 1, 2, 4 ask
-                part = lane32 // PF_LINES
-                line = lane32 - part * PF_LINES
-                if part < 3 and PF & (1 << part):
-                    if part == 0:
-                        pf_row = roffs[1]
-                    else:
-                        r_next, k_next = _next_unit(r, k, nwarps, n_slots)
-                        pf_row = slot_off[_ix(k_next * 3 + part - 1)] + r_next * rb
-                    if part == 0 or unit + nwarps < n_units:
-                        prefetch_l1(a32, _ix((pf_row + min(128 * line, RB - 1)) >> 2))
-                for m in range(2):
-                    load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
@@ -2502,14 +2472,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
                         aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
                     sumi = int32(0)
-                    if AHEAD:
-                        for l in range(4):
-                            sels[2 * l], sels[2 * l + 1] = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
                     for l in range(4):
-                        if AHEAD:
-                            gsel, ssel = sels[2 * l], sels[2 * l + 1]
-                        else:
-                            gsel, ssel = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
+                        gsel, ssel = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
                         w_lo, w_hi = iq2_permute(gsel, ssel, pos)
                         sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
@@ -3980,8 +3944,6 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
             extra = (_GU_DEFER, _REGS_GU_HALVES, True)
-        if _GU_AHEAD or _GU_PF:
-            extra = (_GU_DEFER, _REGS_GU_HALVES, _IQ2_REPACKED_GATE_UP, _GU_AHEAD, _GU_PF)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:

@@ -51,8 +51,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
   Both take a flat element index, so s may be a C-contiguous array of any rank.
-* ``prefetch_l1(s, i)``: the 128-byte line holding element i of the global array s fetched into
-  L1 (PTX prefetch.global.L1): no register waits on it; a later load of the line hits L1.
 * ``ld_half(s, i)``: the 16-bit element i of the 32-bit array s (little-endian: the low half of
   element i // 2 for even i) zero-extended to uint32, in one 16-bit load (shared arrays: LDS.U16).
 * ``negate_bytes(g, nibble)``: the 4 bytes of g, byte k negated where bit k of nibble is set.
@@ -259,9 +257,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
     def ld_quad(s, i):
         s = _flat(s)
         return tuple(s[int(i) + k] for k in range(4))
-
-    def prefetch_l1(s, i):
-        return None
 
     def ld_half(s, i):
         w = int(s[int(i) >> 1]) & 0xFFFFFFFF
@@ -554,22 +549,6 @@ else:
 
     ld_pair = _ld_vec("ld_pair", 2)
     ld_quad = _ld_vec("ld_quad", 4)
-
-    @intrinsic
-    def prefetch_l1(typingctx, s, i):
-        if not (isinstance(s, types.Array) and isinstance(i, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            idx = context.cast(builder, args[1], signature.args[1], types.int64)
-            i64 = ir.IntType(64)
-            addr = builder.ptrtoint(builder.gep(ary.data, [idx]), i64)
-            fnty = ir.FunctionType(ir.VoidType(), [i64])
-            builder.call(ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True), [addr])
-            return context.get_dummy_value()
-
-        return types.void(s, i), codegen
 
     @intrinsic
     def ld_half(typingctx, s, i):

@@ -114,8 +114,6 @@ quant = {
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, lookups ahead)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, True), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, L1 prefetch 7)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, False, 7), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, SwiGLU per unit)": (lambda: qk._moe_gate_up_halves_kernel(16, True, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),

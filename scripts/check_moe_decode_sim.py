@@ -335,16 +335,6 @@ def halves_checks():
             bad += not ok
             print(f"{'ok ' if ok else 'BAD'} gate/up halves, SwiGLU per unit: K {n_embd}", flush=True)
             _knobs(_GU_DEFER=True)
-        # a sub-block's lookups issued ahead (_GU_AHEAD), L1 prefetches (_GU_PF: their addresses
-        # stay inside the arena and slot_off): the same bits
-        for name, knob, value in (("lookups ahead", "_GU_AHEAD", True), ("L1 prefetch", "_GU_PF", 7)):
-            if n_embd != 4096 and not (knob == "_GU_PF" and n_embd == 1280):
-                continue
-            _knobs(**{knob: value})
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, {name}: K {n_embd}", flush=True)
-            _knobs(**{knob: type(value)()})
     # rows in iq2_xxs_relayout's layout (_IQ2_REPACKED_GATE_UP; 16-byte loads: rows of a multiple
     # of 8 super-blocks), against the file's layout
     for n_embd in (2048, 4096):

@@ -461,20 +461,6 @@ def test_moe_gate_up_halves_short_rows(moe_knobs, n_embd, extra):
     assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
 
 
-@pytest.mark.parametrize("n_embd", [1280, 4096])
-@pytest.mark.parametrize("extra", [0, 2])
-@pytest.mark.parametrize("knobs", [dict(_GU_AHEAD=True), dict(_GU_PF=7)], ids=["lookups_ahead", "prefetch"])
-def test_moe_gate_up_halves_variants(moe_knobs, n_embd, extra, knobs):
-    """moe_gate_up_halves with a sub-block's 8 selector lookups issued before its permutes
-    (_GU_AHEAD), or with L1 prefetches of the unit's up row and the next unit's rows (_GU_PF),
-    on rows of 5 and 16 super-blocks, both word alignments, against the first gate/up kernel bit
-    for bit."""
-    moe_knobs(**_FIRST_MOE_DECODE)
-    ref = _gate_up_mid(n_embd, 20, 3, 25, extra)
-    moe_knobs(_GU_HALVES=True, **knobs)
-    assert np.array_equal(_gate_up_mid(n_embd, 20, 3, 25, extra), ref)
-
-
 @pytest.mark.parametrize("n_embd,nch,x_regs", [(1024, 0, True), (4096, 0, True), (4096, 2, True), (4096, 1, False)])
 def test_moe_gate_up_repacked_rows_same_bits(moe_knobs, n_embd, nch, x_regs):
     """_IQ2_REPACKED_GATE_UP (the byte-permute kernel, and moe_gate_up_halves on rows of a multiple
