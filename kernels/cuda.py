@@ -2163,9 +2163,11 @@ _DOWN_SB = 8         # > 0: moe_down_sb (a lane per super-block) with this many 
                      # where down_sb_applies (H200 kbench tune_down, session 30: 10.2 us against
                      # 12.1-12.2 for moe_down_decode_slots with PDL edges; rows 4: 14.1, 12: 11.8,
                      # 16: 11.0 before the activation was staged after the first copies)
-_DOWN_EARLY = 0      # moe_down_sb starts its first _DOWN_EARLY weight groups' copies before pdl_enter
-                     # (kbench tune_down, scale_moe: a fixed ~5 us a launch on the H100 against ~2
-                     # for a plain read of the same bytes)
+_DOWN_EARLY = 1      # moe_down_sb starts its first _DOWN_EARLY weight groups' copies before pdl_enter
+                     # (its fixed cost a launch: ~5 us on the H100 against ~2 for a plain read of the
+                     # same bytes, kbench scale_moe; H100 kbench tune_down, session 43, PDL edges:
+                     # 9.87 / 10.00 us against 10.85 / 10.98 with 0, 10.72 / 10.75 with 2; the
+                     # engine's step the same within noise, decode_ab, same logits)
 _SB_X_WORDS = 76     # moe_down_sb's activation words per (slot, super-block): 64 x words, 8 bsum
                      # pairs, the scale, 3 pad words (76 = 12 mod 32 banks: the 8 super-blocks'
                      # 16-byte loads of one instruction fall on 8 disjoint bank quads)
@@ -2720,7 +2722,7 @@ def _q2_k_sb_half(su, o, xo, h, acc):
             acc[s] = imad(sc, dp, acc[s])
 
 
-def _moe_down_sb_kernel(NSB, R, EARLY=0):
+def _moe_down_sb_kernel(NSB, R, EARLY=1):
     """Down decode with a lane per super-block: the block and arguments of moe_down_decode_slots
     (warp k = slot k, R output rows); lane (rho, sb) = (lane >> 3, lane & 7) dots super-block sb of
     row 4 g + rho, so a warp takes 4 rows at once, in R / 4 groups.
@@ -2748,8 +2750,8 @@ def _moe_down_sb_kernel(NSB, R, EARLY=0):
     groups 0 and 1 both copied before the staging: 11.9-12.2 against 10.9-11.1 on the H100,
     session 34).
 
-    EARLY > 0 (_DOWN_EARLY): the first EARLY weight groups' copies start before pdl_enter, while
-    the previous grid still runs. Legal because slot_off is written at least two grids earlier
+    EARLY > 0 (_DOWN_EARLY, 1 by default): the first EARLY weight groups' copies start before
+    pdl_enter, while the previous grid still runs. Legal because slot_off is written at least two grids earlier
     (route or the host, then gate/up, then the middle's Q8_K): this grid is launched only once the
     previous one passed its own griddepcontrol.wait (pdl_enter waits, then lets dependents launch),
     so the grid before that has finished and its writes are visible; the weights are constant."""
@@ -3977,8 +3979,8 @@ def moe_down(arena, slot_offsets, down_type, n_ff, n_embd, mq, md, mbs, out, str
     grid_g, ks_g = _iq2_tables()
     if _DOWN_SB and down_sb_applies(down_type, n_ff, n_used, _DOWN_SB):
         R, NSB = _DOWN_SB, n_ff // 256
-        # (the manifest's key is (NSB, R): EARLY joins it only when set)
-        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((_DOWN_EARLY,) if _DOWN_EARLY else ()))
+        # (the manifest's key is (NSB, R): EARLY joins it only when not the default)
+        kernel = _cached(_moe_down_sb_kernel, NSB, R, *((_DOWN_EARLY,) if _DOWN_EARLY != 1 else ()))
         kernel[(n_embd + R - 1) // R, n_used * WARP, _stream(stream), _down_sb_shmem(n_used, NSB, R)](
             a16, a32, _flat(slot_offsets), n_used, _as_i32(mq), _flat(md), _flat(mbs), NSB,
             F.row_bytes(down_type, n_ff), n_embd, _flat(out), grid_g, ks_g, *_hc_args(hc))

@@ -180,7 +180,7 @@ quant = {
  "moe_down_decode_slots Q2_K (16 rows, cap 80)": (lambda: qk._moe_down_decode_slots_kernel(Q2K, 8, 16, 80), moe_down, 80),
  "moe_down_sb Q2_K (8 rows)": (lambda: qk._moe_down_sb_kernel(8, 8), moe_down),
  "moe_down_sb Q2_K (3 super-blocks, 4 rows)": (lambda: qk._moe_down_sb_kernel(3, 4), moe_down),
- "moe_down_sb Q2_K (8 rows, 2 groups early)": (lambda: qk._moe_down_sb_kernel(8, 8, 2), moe_down),
+ "moe_down_sb Q2_K (8 rows, copies after the wait)": (lambda: qk._moe_down_sb_kernel(8, 8, 0), moe_down),
  "q8k_rows IQ2_XXS (4 tokens)": (lambda: qk._q8k_dense_kernel(IQ2, 4, 2, 4),
                                  (u16a, u32a, i64, i64, i64, i64, i32a, f32a, i32a, i64, f32a, i64) + tables),
  "moe_gate_up_tiles IQ2_XXS": (lambda: qk._moe_gate_up_tiles_kernel(IQ2, 4, 4), tiles),

@@ -642,11 +642,12 @@ def test_moe_down_sb_equals_slot_matvecs(sb_rows, n_ff, extra, moe_knobs):
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
 
-@pytest.mark.parametrize("early", [1, 2])
+@pytest.mark.parametrize("early", [0, 2])
 @pytest.mark.parametrize("n_ff,extra", [(2048, 0), (2048, 4), (768, 0)])
 def test_moe_down_sb_early_copies_equal_slot_matvecs(early, n_ff, extra, moe_knobs):
-    """moe_down_sb with its first 1 or 2 weight groups copied before pdl_enter (_DOWN_EARLY), by
-    cp.async and word by word, against a Q2_K matvec per slot added in slot order, bit for bit."""
+    """moe_down_sb with none or 2 of its weight groups copied before pdl_enter (_DOWN_EARLY; the
+    default, 1, is test_moe_down_sb_equals_slot_matvecs'), by cp.async and word by word, against a
+    Q2_K matvec per slot added in slot order, bit for bit."""
     moe_knobs(_DOWN_SB=8, _DOWN_EARLY=early)
     _assert_down_equals_slot_matvecs(n_ff, extra)
 
