@@ -842,13 +842,13 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
 
 def bench_tune_down(timer, copy_bw, rng, log, moe):
     """The Q2_K down decode: moe_down_sb (the shipped one, _DOWN_SB rows per block: a lane per
-    super-block, the weights through shared memory by cp.async; ptxas sm_90: 44 registers, ~300
+    super-block, the weights through shared memory by cp.async; ptxas sm_90: 43 registers, ~300
     SASS instructions per 4 rows and slot of 8 super-blocks against ~1,000 for
-    moe_down_decode_slots), with its first weight groups copied before pdl_enter (_DOWN_EARLY),
-    against moe_down_decode_slots (R rows per block). Same bits checked against the first variant;
-    the first three come again at the end (drift)."""
+    moe_down_decode_slots; 71 registers with group 0's copies before the wait) with none, 1 (the
+    default) or 2 of its weight groups copied before pdl_enter (_DOWN_EARLY), against
+    moe_down_decode_slots (R rows per block). Same bits checked against the first variant; the
+    first three come again at the end (drift)."""
     names = ("_DOWN_SB", "_R_DOWN_SLOTS", "_DOWN_EARLY")
-    # early: moe_down_sb's first weight groups copied before pdl_enter (_DOWN_EARLY)
     variants = [(8, 8, 0), (8, 8, 1), (8, 8, 2), (0, 8, 0), (16, 8, 1), (8, 8, 0), (8, 8, 1), (8, 8, 2)]
 
     def describe(k):

@@ -380,8 +380,8 @@ def down_sb_checks():
         _knobs(_DOWN_SB=R, _DOWN_EARLY=early)
         ok = all(np.array_equal(a, b) for a, b in zip(down(n_ff, n_embd, 3, 6, hc, shift), ref))
         bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} down sb, {early} group{'' if early == 1 else 's'} before the wait: K {n_ff}, {n_embd} rows, "
-              f"R {R}, experts {shift} bytes off 16{', HC post' if hc else ''}", flush=True)
+        print(f"{'ok ' if ok else 'BAD'} down sb, {early} group{'' if early == 1 else 's'} before the wait: "
+              f"K {n_ff}, {n_embd} rows, R {R}, experts {shift} bytes off 16{', HC post' if hc else ''}", flush=True)
     _knobs(_DOWN_SB=0, _DOWN_EARLY=1)
     return bad
 
