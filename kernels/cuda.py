@@ -2812,10 +2812,10 @@ def _moe_down_sb_kernel(NSB, R, EARLY=1):
                 fetch(su, a32, so, wbase, rw, nr, aligned, lane, g)
                 cp_async_commit()
             pdl_enter()
-            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)
         else:
             fetch(su, a32, so, wbase, rw, nr, aligned, lane, 0)
-            stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
+        stage_x(su, sf, xs0, k, lane, mq32, mbs, md)  # while group 0's copies are under way
+        if not EARLY:
             cp_async_commit()
         for g in range(1, NG + 1):
             if EARLY == 0 or g >= EARLY:              # (an empty group keeps wait1's count)

@@ -319,9 +319,12 @@ def _is_kernel_decorator(dec) -> bool:
     return not (call and any(k.arg == "device" for k in call.keywords))
 
 
-# kernels whose statements before pdl_enter() (when compiled or launched with PRE) read only weight
-# bytes or constant tables, which no grid writes while a decode graph replays
-WEIGHT_PROLOGUE_KERNELS = {"q8_0_rows", "q8_0_pairs", "moe_gate_up_decode", "moe_gate_up_halves", "hc_mix_partial"}
+# kernels whose statements before pdl_enter() (when compiled with the knob named here) read only
+# weight bytes or constant tables, which no grid writes while a decode graph replays; moe_down_sb's
+# (EARLY) read slot_off too, written two or more grids earlier (route or the host, gate/up, the
+# middle's Q8_K: its docstring says why that is visible before the wait)
+PROLOGUE_KERNELS = {"q8_0_rows": "PRE", "q8_0_pairs": "PRE", "moe_gate_up_decode": "PRE",
+                    "moe_gate_up_halves": "PRE", "hc_mix_partial": "PRE", "moe_down_sb": "EARLY"}
 
 
 def test_every_cuda_kernel_starts_with_pdl_enter():
@@ -341,12 +344,13 @@ def test_every_cuda_kernel_starts_with_pdl_enter():
             first = body[0]
             if isinstance(first, ast.Expr) and ast.unparse(first.value) == "pdl_enter()":
                 continue
-            # a weight prologue: `if not PRE: pdl_enter()` first, and the statements up to the
-            # pdl_enter() at the end of an `if PRE:` block read only weights (reviewed: listed
-            # here by name)
-            if (node.name in WEIGHT_PROLOGUE_KERNELS and isinstance(first, ast.If)
-                    and ast.unparse(first) == "if not PRE:\n    pdl_enter()"
-                    and any(isinstance(s, ast.If) and ast.unparse(s.test) == "PRE"
+            # a prologue: `if not KNOB: pdl_enter()` first, and the statements up to the
+            # pdl_enter() at the end of an `if KNOB:` block read only what no recent grid writes
+            # (reviewed: listed here by name)
+            knob = PROLOGUE_KERNELS.get(node.name)
+            if (knob and isinstance(first, ast.If)
+                    and ast.unparse(first) == f"if not {knob}:\n    pdl_enter()"
+                    and any(isinstance(s, ast.If) and ast.unparse(s.test) == knob
                             and ast.unparse(s.body[-1]) == "pdl_enter()" for s in body)):
                 continue
             missing.append(f"{path.name}:{node.lineno} {node.name}")
