@@ -516,6 +516,20 @@ class _MoEStep:
                     self.ws.mq, self.ws.md, self.ws.mbs, self.out, s)
 
 
+def _step_regions(moe, steps):
+    """The weight bytes [(byte offset, bytes), ...] the steps' launches read, by launch:
+    "gate_up", "down", and "full" (both)."""
+    regions = {"gate_up": [], "down": [], "full": []}
+    for st in steps:
+        ids = [int(e) for e in st.ids.copy_to_host()]
+        gate_up = [(moe[m] + e * moe["stride_gu"], moe["stride_gu"]) for e in ids for m in ("og", "ou")]
+        down = [(moe["od"] + e * moe["stride_d"], moe["stride_d"]) for e in ids]
+        regions["gate_up"] += gate_up
+        regions["down"] += down
+        regions["full"] += gate_up + down
+    return regions
+
+
 def bench_moe(timer, copy_bw, rng, log, moe):
     steps = [_MoEStep(moe, rng) for _ in range(8)]
     for st in steps:
@@ -524,14 +538,7 @@ def bench_moe(timer, copy_bw, rng, log, moe):
     n_used = 6
     gu_bytes = 2 * moe["stride_gu"] * n_used
     d_bytes = moe["stride_d"] * n_used
-    regions = {"gate_up": [], "down": [], "full": []}     # the weight bytes each step reads
-    for st in steps:
-        ids = [int(e) for e in st.ids.copy_to_host()]
-        gate_up = [(moe[m] + e * moe["stride_gu"], moe["stride_gu"]) for e in ids for m in ("og", "ou")]
-        down = [(moe["od"] + e * moe["stride_d"], moe["stride_d"]) for e in ids]
-        regions["gate_up"] += gate_up
-        regions["down"] += down
-        regions["full"] += gate_up + down
+    regions = _step_regions(moe, steps)
     res = []
     for name, fn, nbytes in (("MoE decode total (offsets, Q8_K x, gate+up, Q8_K mid, down)",
                               "full", gu_bytes + d_bytes),
@@ -870,16 +877,10 @@ def bench_scale_moe(timer, copy_bw, rng, log, moe, slot_counts=(1, 2, 3, 4, 6)):
         for st in steps:
             st.full(0)
         _cuda().synchronize()
+        regions = _step_regions(moe, steps)
         for fn, nbytes in (("gate_up", 2 * moe["stride_gu"] * n_used), ("down", moe["stride_d"] * n_used)):
-            regions = []
-            for st in steps:
-                ids = [int(e) for e in st.ids.copy_to_host()]
-                if fn == "gate_up":
-                    regions += [(moe[m] + e * moe["stride_gu"], moe["stride_gu"]) for e in ids for m in ("og", "ou")]
-                else:
-                    regions += [(moe["od"] + e * moe["stride_d"], moe["stride_d"]) for e in ids]
             us, us_pdl = _per_launch_us(timer, lambda s: [getattr(st, fn)(s) for st in steps], len(steps), log)
-            read_us = read_ceiling_us(timer, moe["arena"].buf, regions, len(steps))
+            read_us = read_ceiling_us(timer, moe["arena"].buf, regions[fn], len(steps))
             r = dict(kernel=fn, n_used=n_used, weight_MB=nbytes / 1e6, us=us, read_us=read_us)
             _add_pdl(r, us_pdl, nbytes, copy_bw)
             res.append(r)

@@ -2751,10 +2751,12 @@ def _moe_down_sb_kernel(NSB, R, EARLY=1):
     session 34).
 
     EARLY > 0 (_DOWN_EARLY, 1 by default): the first EARLY weight groups' copies start before
-    pdl_enter, while the previous grid still runs. Legal because slot_off is written at least two grids earlier
-    (route or the host, then gate/up, then the middle's Q8_K): this grid is launched only once the
-    previous one passed its own griddepcontrol.wait (pdl_enter waits, then lets dependents launch),
-    so the grid before that has finished and its writes are visible; the weights are constant."""
+    pdl_enter, while the previous grid still runs. Legal because slot_off is written at least two
+    grids earlier (route or the host, then gate/up, then the middle's Q8_K): this grid is launched
+    only once the previous one passed its own griddepcontrol.wait (pdl_enter waits, then lets
+    dependents launch), so the grid before that has finished and its writes are visible; the
+    weights are constant. EARLY 0 keeps the kernel before session 43 instruction for instruction
+    (group 0 fetched after the wait, its commit after the staging), for comparisons."""
     assert 1 <= NSB <= 8 and R % 4 == 0
     scale = float32(_FINAL_SCALE[F.Q2_K])
     RW = 21 * NSB                        # words per row
