@@ -837,12 +837,18 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37; a sub-block's lookups issued ahead of its permutes, L1 prefetches of the unit's up
     # row and the next unit's rows: no faster on the H100, session 43)
-    variants = [(True, 4, 6, 0, False), (True, 4, 6, 0, True), (True, 4, 6, 0, False), (True, 4, 6, 0, True)]
+    # x staged once per block (_GU_XSTAGE): session 44
+    names += ("_GU_XSTAGE",)
+    # (2: the first unit's rows requested during the staging; 114 registers uncapped, 80 with 56
+    # bytes of stack when capped)
+    variants = [(True, 4, 6, 0, False, 0), (True, 4, 6, 0, False, 1), (True, 4, 6, 80, False, 2),
+                (True, 4, 6, 0, True, 1), (True, 4, 6, 0, True, 0), (True, 4, 6, 0, False, 0),
+                (True, 4, 6, 0, False, 1)]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (f" x staged {k['_GU_XSTAGE']}" if k["_GU_XSTAGE"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

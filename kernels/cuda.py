@@ -35,7 +35,7 @@ from . import numerics, orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
-                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
+                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait0, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
                               mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
@@ -2299,6 +2299,7 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 
 
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
+_GU_XSTAGE = 0        # moe_gate_up_halves stages x in shared memory once per block (see XSTAGE)
 
 
 @_inline
@@ -2311,7 +2312,7 @@ def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, XSTAGE=0):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2353,7 +2354,14 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     2^(34 - 7 l), its mask and base one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU
     instructions per 8 weights become 5 + 2 IMAD (ptxas sm_90: 72 registers, 525 SASS instructions
     per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
-    The same words from the same tables: the same bits."""
+    The same words from the same tables: the same bits.
+
+    XSTAGE (_GU_XSTAGE, 0: off): the block copies x (its 64 NSB words by cp.async, its NSB scales)
+    into shared memory once and each warp reads its lanes' words from there, instead of every warp
+    reading the whole 4 KB of x from L2 (3,072 warps: 12.6 MB of L2 reads per flash launch, all
+    right after the wait, where the weights are 26 MB). 1: the staging, then the unit loop; 2: each
+    warp's first unit's rows requested while x is on its way (ptxas sm_90: 114 registers uncapped,
+    76 for 0 and 1). The same words: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2365,6 +2373,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
+    XS_N = 64 * NSB                     # XSTAGE: x words of a row in shared memory
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2388,6 +2397,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
+    @_inline
+    def load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs):
+        """Both rows of unit (r, k): gate then up, all loads first."""
+        for m in range(2):
+            roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
+            load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+
     @_jit_capped(REGS)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
@@ -2398,6 +2414,12 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
+        if XSTAGE and KS_ALIGN:                         # (16-byte pieces; the simulator takes
+            xs_s = cuda.shared.array(XS_N, int32, alignment=16)    # no alignment)
+        elif XSTAGE:
+            xs_s = cuda.shared.array(XS_N, int32)
+        if XSTAGE:
+            xds_s = cuda.shared.array(16, float32)
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
@@ -2419,9 +2441,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             xw[i] = int32(0)
         xds = float32(0.0)
         if valid:
-            for i in range(8):
+            for i in range(8 if not XSTAGE else 0):    # (XSTAGE: from shared memory, below)
                 xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
-            xds = xd[sb]
+            if not XSTAGE:
+                xds = xd[sb]
         # a register operand (see iq2_permute), read from a per-lane address: read from one
         # address, ptxas holds it in a uniform register and copies it into a vector one before
         # every prmt
@@ -2453,10 +2476,23 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         n_kept = int32(0)
         lane32 = int32(lane)
         unit = int32(warp)
+        if XSTAGE:
+            for i in range(cuda.threadIdx.x, XS_N >> 2, cuda.blockDim.x):
+                cp_async16_at(xs_s, 4 * i, 0, xq32, 0, 4 * i)  # through no registers
+            cp_async_commit()
+            if XSTAGE == 2 and unit < n_units:          # requested while x is on its way
+                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs)
+            if cuda.threadIdx.x < NSB:
+                xds_s[cuda.threadIdx.x] = xd[cuda.threadIdx.x]
+            cp_async_wait0()
+            cuda.syncthreads()
+            if valid:
+                for i in range(8):
+                    xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xs_s, _ix(64 * sb + 32 * h + 4 * i))
+                xds = xds_s[sb]
         while unit < n_units:                           # warp-uniform loop
-            for m in range(2):                          # gate row, up row: all loads first
-                roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
-                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
+            if XSTAGE != 2 or unit != int32(warp):      # (XSTAGE 2: the first unit's rows are in)
+                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
             for m in range(2):
@@ -3948,6 +3984,8 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
             extra = (_GU_DEFER, _REGS_GU_HALVES, True)
+        if _GU_XSTAGE:
+            extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE)
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:

@@ -46,8 +46,9 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   aligned to the size), through no registers; sk is added after si's zero extension (a constant
   sk folds into the copy's shared-address immediate: one register for all the copies of a lane,
   not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
-  ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
-  copies only: a block barrier must follow before other threads read them).
+  ``cp_async_wait1()`` waits until at most the newest group is in flight, ``cp_async_wait0()``
+  until none is (the thread's own copies only: a block barrier must follow before other threads
+  read them).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
   Both take a flat element index, so s may be a C-contiguous array of any rank.
@@ -286,6 +287,9 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
         return None
 
     def cp_async_wait1():
+        return None
+
+    def cp_async_wait0():
         return None
 
     def negate_bytes(g, nibble):
@@ -576,6 +580,7 @@ else:
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
+    cp_async_wait0 = _asm_stmt("cp.async.wait_group 0;")
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

@@ -345,6 +345,17 @@ def halves_checks():
         _knobs(_IQ2_REPACKED_GATE_UP=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
+    # x staged once per block (_GU_XSTAGE 1; 2: the first unit's rows requested during it) at K
+    # 1280 (a partial chain step, idle lanes) and 4096, rows 3 x warps 2 (a warp with 3 units)
+    for n_embd in (1280, 4096):
+        _knobs(_GU_HALVES=True, _RPB_GATE_UP=3, _NW_GATE_UP=2, _GU_XSTAGE=0)
+        ref = gate_up(n_embd, 3, 2, 7)
+        for xstage in (1, 2):
+            _knobs(_GU_XSTAGE=xstage)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves, x staged per block ({xstage}): K {n_embd}", flush=True)
+        _knobs(_GU_XSTAGE=0)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)

@@ -430,6 +430,15 @@ def test_moe_gate_up_halves_same_bits(experts, moe_knobs, rpb, nw, pre):
                                       _NW_GATE_UP=nw, _PRE_GATE_UP=pre)
 
 
+@pytest.mark.parametrize("xstage,regs", [(1, 0), (2, 80), (2, 0)])
+def test_moe_gate_up_halves_x_staged_same_bits(experts, moe_knobs, xstage, regs):
+    """moe_gate_up_halves with x staged in shared memory once per block (_GU_XSTAGE 1; 2: each
+    warp's first rows requested during the staging, capped at 80 registers or not): the same x
+    words, so the same mid and MoE output bits as the first gate/up kernel."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 31, _GU_HALVES=True, _GU_XSTAGE=xstage,
+                                      _REGS_GU_HALVES=regs, _RPB_GATE_UP=4, _NW_GATE_UP=6)
+
+
 @pytest.mark.parametrize("defer", [True, False])
 def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer):
     """moe_gate_up_halves with the SwiGLU of 32 units at once (_GU_DEFER, the default) and with one
