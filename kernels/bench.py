@@ -840,15 +840,22 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # x staged once per block (_GU_XSTAGE): session 44
     names += ("_GU_XSTAGE",)
     # (2: the first unit's rows requested during the staging; 114 registers uncapped, 80 with 56
-    # bytes of stack when capped)
-    variants = [(True, 4, 6, 0, False, 0), (True, 4, 6, 0, False, 1), (True, 4, 6, 80, False, 2),
-                (True, 4, 6, 0, True, 1), (True, 4, 6, 0, True, 0), (True, 4, 6, 0, False, 0),
-                (True, 4, 6, 0, False, 1)]
+    # bytes of stack when capped); a warp per matrix (_GU_SPLIT; ptxas sm_90: 72 registers, with x
+    # staged 64 without spills: 32 warps per SM with rows 4 x warps 8 (512 blocks) or 2 x 4 (1,024))
+    names += ("_GU_SPLIT",)
+    variants = [(True, 4, 6, 0, False, 0, False), (True, 4, 6, 0, False, 1, False),
+                (True, 4, 8, 64, False, 1, True), (True, 2, 4, 64, False, 1, True),
+                (True, 4, 8, 0, False, 1, True), (True, 4, 6, 0, False, 1, True),
+                (True, 4, 6, 80, False, 2, False), (True, 4, 8, 64, True, 1, True),
+                (True, 4, 6, 0, True, 1, False), (True, 4, 6, 0, True, 0, False),
+                (True, 4, 6, 0, False, 0, False), (True, 4, 6, 0, False, 1, False),
+                (True, 4, 8, 64, False, 1, True)]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (f" x staged {k['_GU_XSTAGE']}" if k["_GU_XSTAGE"] else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (f" x staged {k['_GU_XSTAGE']}" if k["_GU_XSTAGE"] else "")
+                + (" warp per matrix" if k["_GU_SPLIT"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 

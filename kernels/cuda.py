@@ -2300,6 +2300,8 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 _GU_XSTAGE = 0        # moe_gate_up_halves stages x in shared memory once per block (see XSTAGE)
+_GU_SPLIT = False     # moe_gate_up_halves: a warp per matrix, a unit per row (see SPLIT)
+_GU_SPLIT_PAIRS = 64  # SPLIT: most (row, slot) pairs a block (rows per block x slots)
 
 
 @_inline
@@ -2312,7 +2314,7 @@ def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, XSTAGE=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, XSTAGE=0, SPLIT=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2361,7 +2363,15 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     reading the whole 4 KB of x from L2 (3,072 warps: 12.6 MB of L2 reads per flash launch, all
     right after the wait, where the weights are 26 MB). 1: the staging, then the unit loop; 2: each
     warp's first unit's rows requested while x is on its way (ptxas sm_90: 114 registers uncapped,
-    76 for 0 and 1). The same words: the same bits."""
+    76 for 0 and 1). The same words: the same bits.
+
+    SPLIT (_GU_SPLIT, off): a warp takes one matrix (gate in even warps, up in odd ones; warps per
+    block even) and a unit is one row, not both: half the registers for row words, so more warps
+    fit an SM, and a unit's two rows are fetched by two warps at once instead of one after the
+    other (ptxas sinks the up row's loads below the gate row's work). The lane of the row's sum
+    leaves it in shared memory; after a block barrier the block's threads compute the SwiGLU of
+    its (row, slot) pairs, one each. The same sums into the same function: the same bits. Needs
+    rows per block x slots <= _GU_SPLIT_PAIRS."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2374,6 +2384,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
     XS_N = 64 * NSB                     # XSTAGE: x words of a row in shared memory
+    NM = 1 if SPLIT else 2              # rows a unit: gate and up, or one of them
+    RES_N = 2 * _GU_SPLIT_PAIRS         # SPLIT: the block's (row, slot) sums in shared memory
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2398,10 +2410,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
     @_inline
-    def load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs):
-        """Both rows of unit (r, k): gate then up, all loads first."""
-        for m in range(2):
-            roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
+    def load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat):
+        """The rows of unit (r, k): gate then up, all loads first (SPLIT: matrix mat only)."""
+        for m in range(NM):
+            roffs[m] = slot_off[_ix(k * 3 + m + mat)] + r * rb
             load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
 
     @_jit_capped(REGS)
@@ -2420,6 +2432,8 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             xs_s = cuda.shared.array(XS_N, int32)
         if XSTAGE:
             xds_s = cuda.shared.array(16, float32)
+        if SPLIT:
+            res_s = cuda.shared.array(RES_N, float32)
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
@@ -2465,7 +2479,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         # the unit walk in 32-bit integers (numba's are 64-bit: a compare or step costs a pair)
         nwarps = int32(cuda.blockDim.x >> 5)
         n_slots = int32(n_used)
-        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, warp)
+        mat = int32(warp & 1) if SPLIT else int32(0)    # SPLIT: this warp's matrix
+        nwalk = int32(nwarps >> 1) if SPLIT else nwarps  # ... and its walk over the pairs
+        wfirst = int32(warp >> 1) if SPLIT else int32(warp)
+        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, wfirst)
         n_units = int32(n_units)
         r = int32(r64)
         k = int32(k64)
@@ -2475,13 +2492,13 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         kept_k = k
         n_kept = int32(0)
         lane32 = int32(lane)
-        unit = int32(warp)
+        unit = wfirst
         if XSTAGE:
             for i in range(cuda.threadIdx.x, XS_N >> 2, cuda.blockDim.x):
                 cp_async16_at(xs_s, 4 * i, 0, xq32, 0, 4 * i)  # through no registers
             cp_async_commit()
             if XSTAGE == 2 and unit < n_units:          # requested while x is on its way
-                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs)
+                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat)
             if cuda.threadIdx.x < NSB:
                 xds_s[cuda.threadIdx.x] = xd[cuda.threadIdx.x]
             cp_async_wait0()
@@ -2491,17 +2508,17 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                     xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xs_s, _ix(64 * sb + 32 * h + 4 * i))
                 xds = xds_s[sb]
         while unit < n_units:                           # warp-uniform loop
-            if XSTAGE != 2 or unit != int32(warp):      # (XSTAGE 2: the first unit's rows are in)
-                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs)
+            if XSTAGE != 2 or unit != wfirst:           # (XSTAGE 2: the first unit's rows are in)
+                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
-            for m in range(2):
+            for m in range(NM):
                 # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
                 shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 and not REPACKED else uint32(0)
                 totals[m] = int32(0)
                 terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
             for s in range(4):
-                for m in range(2):
+                for m in range(NM):
                     o = m * NWD
                     if REPACKED:
                         aux0 = w[o + 2 * s]
@@ -2517,7 +2534,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
                     # the sub-block scale 2 s + 1, s = aux1's top nibble (a shift: bfe costs a SGXT more)
                     totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
-            for m in range(2):
+            for m in range(NM):
                 bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
                 acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
                 for g in range(1, NST):                 # the chain: group g - 1 hands on to g
@@ -2527,7 +2544,10 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
                 res[m] = float32(0.125) * acc
-            if DEFER:
+            if SPLIT:
+                if lane == LOUT:
+                    res_s[_ix(2 * unit + mat)] = res[0]       # unit: the block's pair
+            elif DEFER:
                 gate = cuda.shfl_sync(FULL_MASK, res[0], LOUT)
                 up = cuda.shfl_sync(FULL_MASK, res[1], LOUT)
                 if lane32 == n_kept:
@@ -2538,9 +2558,16 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                     n_kept = int32(0)
             elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            r, k = _next_unit(r, k, nwarps, n_slots)
-            unit = int32(unit + nwarps)
-        if DEFER and lane32 < n_kept:
+            r, k = _next_unit(r, k, nwalk, n_slots)
+            unit = int32(unit + nwalk)
+        if SPLIT:
+            cuda.syncthreads()
+            r0 = int32(cuda.blockIdx.x * rpb)
+            for t in range(cuda.threadIdx.x, n_units, cuda.blockDim.x):
+                rr = r0 + int32(t) // n_slots
+                kk = int32(t) % n_slots
+                mid[kk * n_ff + rr] = _swiglu(res_s[_ix(2 * t)], res_s[_ix(2 * t + 1)], c32, route_w[kk])
+        elif DEFER and lane32 < n_kept:
             mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
 
     return moe_gate_up_halves
@@ -3984,8 +4011,11 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                 raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                                  "multiple of 8 super-blocks (expert bases 16-byte aligned)")
             extra = (_GU_DEFER, _REGS_GU_HALVES, True)
-        if _GU_XSTAGE:
-            extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE)
+        if _GU_XSTAGE or _GU_SPLIT:
+            extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE, _GU_SPLIT)
+        if _GU_SPLIT and (_NW_GATE_UP % 2 or _RPB_GATE_UP * n_used > _GU_SPLIT_PAIRS):
+            raise ValueError("_GU_SPLIT needs an even warp count and rows per block x slots <= "
+                             f"{_GU_SPLIT_PAIRS}")
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:

@@ -345,17 +345,20 @@ def halves_checks():
         _knobs(_IQ2_REPACKED_GATE_UP=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
-    # x staged once per block (_GU_XSTAGE 1; 2: the first unit's rows requested during it) at K
-    # 1280 (a partial chain step, idle lanes) and 4096, rows 3 x warps 2 (a warp with 3 units)
+    # x staged once per block (_GU_XSTAGE 1; 2: the first unit's rows requested during it) and a
+    # warp per matrix (_GU_SPLIT) at K 1280 (a partial chain step, idle lanes) and 4096, 5 rows of
+    # 2 slots, rows 3 a block (a partial last block) x warps 2 (3 units a warp) or 4 (SPLIT: pairs
+    # 2 apart)
     for n_embd in (1280, 4096):
-        _knobs(_GU_HALVES=True, _RPB_GATE_UP=3, _NW_GATE_UP=2, _GU_XSTAGE=0)
-        ref = gate_up(n_embd, 3, 2, 7)
-        for xstage in (1, 2):
-            _knobs(_GU_XSTAGE=xstage)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 3, 2, 7), ref))
+        _knobs(_GU_HALVES=True, _RPB_GATE_UP=3, _NW_GATE_UP=2, _GU_XSTAGE=0, _GU_SPLIT=False)
+        ref = gate_up(n_embd, 5, 2, 7)
+        for xstage, split, nw in ((1, False, 2), (2, False, 2), (0, True, 2), (1, True, 4)):
+            _knobs(_GU_XSTAGE=xstage, _GU_SPLIT=split, _NW_GATE_UP=nw)
+            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 5, 2, 7), ref))
             bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, x staged per block ({xstage}): K {n_embd}", flush=True)
-        _knobs(_GU_XSTAGE=0)
+            print(f"{'ok ' if ok else 'BAD'} gate/up halves, x staged {xstage}, a warp per matrix "
+                  f"{int(split)}, warps {nw}: K {n_embd}", flush=True)
+        _knobs(_GU_XSTAGE=0, _GU_SPLIT=False)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)

@@ -439,6 +439,16 @@ def test_moe_gate_up_halves_x_staged_same_bits(experts, moe_knobs, xstage, regs)
                                       _REGS_GU_HALVES=regs, _RPB_GATE_UP=4, _NW_GATE_UP=6)
 
 
+@pytest.mark.parametrize("rpb,nw,regs,xstage", [(4, 8, 64, 1), (2, 4, 64, 1), (4, 6, 0, 0), (3, 2, 0, 1)])
+def test_moe_gate_up_halves_warp_per_matrix_same_bits(experts, moe_knobs, rpb, nw, regs, xstage):
+    """moe_gate_up_halves with a warp per matrix (_GU_SPLIT: a unit is one row, the SwiGLU after a
+    block barrier), x staged or not: the same sums, so the same mid and MoE output bits as the
+    first gate/up kernel."""
+    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 37, _GU_HALVES=True, _GU_SPLIT=True,
+                                      _GU_XSTAGE=xstage, _REGS_GU_HALVES=regs, _RPB_GATE_UP=rpb,
+                                      _NW_GATE_UP=nw)
+
+
 @pytest.mark.parametrize("defer", [True, False])
 def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer):
     """moe_gate_up_halves with the SwiGLU of 32 units at once (_GU_DEFER, the default) and with one
