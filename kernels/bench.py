@@ -844,7 +844,7 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # staged 64 without spills: 32 warps per SM with rows 4 x warps 8 (512 blocks) or 2 x 4 (1,024))
     names += ("_GU_SPLIT",)
     variants = [(True, 4, 6, 0, False, 0, False), (True, 4, 6, 0, False, 1, False),
-                (True, 4, 8, 64, False, 1, True), (True, 2, 4, 64, False, 1, True),
+                (True, 4, 8, 64, False, 1, True), (True, 4, 8, 64, False, 2, True), (True, 2, 4, 64, False, 1, True),
                 (True, 4, 8, 0, False, 1, True), (True, 4, 6, 0, False, 1, True),
                 (True, 4, 6, 80, False, 2, False), (True, 4, 8, 64, True, 1, True),
                 (True, 4, 6, 0, True, 1, False), (True, 4, 6, 0, True, 0, False),

@@ -120,6 +120,7 @@ quant = {
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, x staged, first rows during it, 80 registers)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 80, False, 2), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 0, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix, x staged)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 1, True), moe_dec[:-2] + (u32a, u32a)),
+ "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix, x staged, first rows during it)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 2, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view

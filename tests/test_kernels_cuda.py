@@ -439,7 +439,7 @@ def test_moe_gate_up_halves_x_staged_same_bits(experts, moe_knobs, xstage, regs)
                                       _REGS_GU_HALVES=regs, _RPB_GATE_UP=4, _NW_GATE_UP=6)
 
 
-@pytest.mark.parametrize("rpb,nw,regs,xstage", [(4, 8, 64, 1), (2, 4, 64, 1), (4, 6, 0, 0), (3, 2, 0, 1)])
+@pytest.mark.parametrize("rpb,nw,regs,xstage", [(4, 8, 64, 1), (4, 8, 64, 2), (2, 4, 64, 1), (4, 6, 0, 0), (3, 2, 0, 1)])
 def test_moe_gate_up_halves_warp_per_matrix_same_bits(experts, moe_knobs, rpb, nw, regs, xstage):
     """moe_gate_up_halves with a warp per matrix (_GU_SPLIT: a unit is one row, the SwiGLU after a
     block barrier), x staged or not: the same sums, so the same mid and MoE output bits as the
