@@ -1105,13 +1105,14 @@ def bench_tune_f16(timer, rng, log, n_tok=512):
     return res
 
 
-def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill")):
-    """Run the benchmark; write JSON to out_path (if given) and return the results dict."""
+def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "prefill"), meta=None):
+    """Run the benchmark; write JSON to out_path (if given) and return the results dict (meta's
+    items among its keys)."""
     cuda = _cuda()
     rng = np.random.default_rng(0)
     timer = Timer()
     dev = cuda.get_current_device()
-    res = dict(device=str(dev.name.decode() if isinstance(dev.name, bytes) else dev.name))
+    res = dict(device=str(dev.name.decode() if isinstance(dev.name, bytes) else dev.name), **(meta or {}))
     t0 = time.time()
     copy_bw, variants = copy_bandwidth(timer)
     res["copy_GBps"] = copy_bw / 1e9
