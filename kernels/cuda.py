@@ -37,7 +37,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait0, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l2, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -3920,6 +3920,36 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
     _expert_offsets_kernel[1, 32, _stream(stream)](
         _flat(expert_ids), n_used, int(base_gate), int(base_up), int(base_down), int(stride_gu),
         int(stride_down), _flat(slot_offsets))
+
+
+@_jit_capped(0)
+def _experts_l2_prefetch_kernel(a8, slot_off, n_used, mats, gu_bytes, d_bytes, chunk):
+    """prefetch_experts_l2: thread i asks for chunk c of matrix m of slot k (i = (3 k + m) n_max + c),
+    the range widened to 16-byte boundaries (the expert bases are only 4-byte aligned) and kept
+    inside the arena."""
+    pdl_enter()
+    n_max = (max(gu_bytes, d_bytes) + chunk - 1) // chunk
+    end_a = (a8.size >> 4) << 4
+    for i in range(cuda.grid(1), n_used * 3 * n_max, cuda.gridsize(1)):
+        c = i % n_max
+        m = (i // n_max) % 3
+        k = i // (3 * n_max)
+        nbytes = gu_bytes if m < 2 else d_bytes
+        if (mats >> m) & 1 and c * chunk < nbytes:
+            base = slot_off[k * 3 + m]
+            start = ((base + c * chunk) >> 4) << 4
+            end = min(((min(base + (c + 1) * chunk, base + nbytes) + 15) >> 4) << 4, end_a)
+            prefetch_l2(a8, start, end - start)
+
+
+def prefetch_experts_l2(arena, slot_offsets, mats, gu_bytes, d_bytes, stream=0, chunk=32768):
+    """Ask for the routed experts' gate (mats bit 0), up (bit 1) and down (bit 2) bytes to be brought
+    into L2, in chunks of `chunk` bytes, by one block that waits for the previous grid (its
+    slot_offsets) and ends as soon as its prefetches are issued: what route could do once it knows
+    the experts (kbench l2pf times it). gu_bytes / d_bytes: one expert's gate (or up) / down bytes."""
+    _, _, a8, _ = _arena_views(arena)
+    _experts_l2_prefetch_kernel[1, 256, _stream(stream)](
+        a8, _flat(slot_offsets), slot_offsets.shape[0], int(mats), int(gu_bytes), int(d_bytes), int(chunk))
 
 
 @_jit_capped(0)

@@ -110,6 +110,7 @@ quant = {
  # _PRE_GATE_UP: the tables filled before pdl_enter()
  "moe_gate_up_decode IQ2_XXS (byte-permute, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, False, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_decode IQ2_XXS (x staged, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False, 0, False, False, True), moe_dec),
+ "experts' L2 prefetch": (lambda: qk._experts_l2_prefetch_kernel, (u8a, i64a, i64, i64, i64, i64, i64)),
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),

@@ -4,7 +4,8 @@ kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the defaul
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
-only, `... halves` the gate/up halves kernel only (tests/test_moe_sim.py runs each).
+only, `... halves` the gate/up halves kernel only, `... prefetch` the experts' L2 prefetch
+(tests/test_moe_sim.py runs each).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -370,6 +371,38 @@ def halves_checks():
     return bad
 
 
+def prefetch_checks():
+    """prefetch_experts_l2 (the experts' L2 prefetch): the ranges it asks for (the simulator's
+    prefetch_l2 records them) cover every byte of the selected experts' matrices and no byte outside
+    their spans widened to 16-byte boundaries; expert bases only 4-byte aligned, sizes not multiples
+    of 16 or of the chunk."""
+    from ds4py.kernels import cuda_intrinsics as CI
+    bad = 0
+    n_arena = 200_000
+    arena = cuda.to_device(np.zeros(n_arena, np.uint8))
+    gu, dn = 9_000, 5_004
+    so = np.array([[4, 20_004, 40_020], [60_100, 80_008, 100_012], [120_004, 140_000, 199_000 - dn]], np.int64)
+    for mats in (7, 3, 4):
+        CI.PREFETCHED.clear()
+        K.prefetch_experts_l2(arena, cuda.to_device(so), mats, gu, dn, chunk=4096)
+        covered = np.zeros(n_arena, bool)
+        for off, n in CI.PREFETCHED:
+            covered[off:off + n] = True
+        want = np.zeros(n_arena, bool)
+        allowed = np.zeros(n_arena, bool)
+        for k in range(3):
+            for m in range(3):
+                if mats >> m & 1:
+                    b, n = int(so[k, m]), (gu if m < 2 else dn)
+                    want[b:b + n] = True
+                    allowed[b & ~15:(b + n + 15) & ~15] = True
+        ok = bool(covered[want].all()) and not covered[~allowed].any()
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} experts' L2 prefetch covers matrices {mats:03b} exactly "
+              f"({len(CI.PREFETCHED)} ranges)", flush=True)
+    return bad
+
+
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -404,7 +437,8 @@ def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
     # groups run on their own (twins: its exact fma stays patched in)
-    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks}
+    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks,
+              "prefetch": prefetch_checks}
     if only not in ("", "perm", "q8", *groups):
         print(f"unknown group {only!r}: name one of perm, q8, {', '.join(groups)}, or none for all")
         return 2
@@ -485,6 +519,7 @@ def main():
         print(f"{'ok ' if ok else 'BAD'} down slots: K {n_ff}, {n_embd} rows, R {R}{', HC post' if hc else ''}",
               flush=True)
     bad += down_sb_checks()
+    bad += prefetch_checks()
     print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
     return 1 if bad else 0
 

@@ -279,6 +279,25 @@ def _moe_decode_gpu(ex, x, ids, rw, clamp, ws=None, use_offsets_kernel=True):
     return out.copy_to_host(), slot_off.copy_to_host()
 
 
+def test_prefetch_experts_l2_changes_no_bits(experts):
+    """The experts' L2 prefetch (kbench l2pf) compiles, runs for every matrix mask and chunk size,
+    writes nothing (the arena's bytes are the same), and the MoE decode after it gives the same
+    output bits as before it."""
+    rng = _rng(41)
+    x = rng.standard_normal(N_EMBD).astype(np.float32)
+    ids = rng.choice(N_EXP, N_USED, replace=False).astype(np.int32)
+    rw = rng.uniform(0.05, 0.6, N_USED).astype(np.float32)
+    y_ref, slot_off = _moe_decode_gpu(experts, x, ids, rw, 10.0)
+    before = experts["arena"].copy_to_host()
+    for mats, chunk in ((7, 32768), (3, 4096), (4, 1 << 20)):
+        K.prefetch_experts_l2(experts["arena"], cuda.to_device(slot_off), mats, experts["stride_gu"],
+                              experts["stride_d"], chunk=chunk)
+    cuda.synchronize()
+    assert np.array_equal(experts["arena"].copy_to_host(), before)
+    y, _ = _moe_decode_gpu(experts, x, ids, rw, 10.0)
+    assert np.array_equal(y, y_ref)
+
+
 @pytest.mark.parametrize("clamp", [10.0, 0.4])
 def test_moe_decode_matches_cpu(experts, clamp):
     """2e-3 of the norm: f32-level differences in g/u can flip a rounding tie of mid's Q8_K."""
