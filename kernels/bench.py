@@ -845,12 +845,11 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37; a sub-block's lookups issued ahead of its permutes, L1 prefetches of the unit's up
     # row and the next unit's rows: no faster on the H100, session 43)
-    # x staged once per block (_GU_XSTAGE): session 44
-    names += ("_GU_XSTAGE",)
-    # (2: the first unit's rows requested during the staging; 114 registers uncapped, 80 with 56
-    # bytes of stack when capped); a warp per matrix (_GU_SPLIT; ptxas sm_90: 72 registers, with x
-    # staged 64 without spills: 32 warps per SM with rows 4 x warps 8 (512 blocks) or 2 x 4 (1,024))
-    names += ("_GU_SPLIT",)
+    # Session 44: x staged once per block (_GU_XSTAGE; 2: the first unit's rows requested during
+    # the staging; 114 registers uncapped, 80 with 56 bytes of stack when capped) and a warp per
+    # matrix (_GU_SPLIT; ptxas sm_90: 72 registers, with x staged 64 without spills: 32 warps per
+    # SM with rows 4 x warps 8 (512 blocks) or 2 x 4 (1,024))
+    names += ("_GU_XSTAGE", "_GU_SPLIT")
     variants = [(True, 4, 6, 0, False, 0, False), (True, 4, 6, 0, False, 1, False),
                 (True, 4, 8, 64, False, 1, True), (True, 4, 8, 64, False, 2, True), (True, 2, 4, 64, False, 1, True),
                 (True, 4, 6, 0, False, 1, True), (True, 4, 6, 80, False, 2, False),

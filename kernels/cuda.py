@@ -2410,6 +2410,12 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
     @_inline
+    def load_x(xsrc, xw, sb, h):
+        """The lane's 32 x words (its 128 weights' activations) from xq32, or XSTAGE's shared copy."""
+        for i in range(8):
+            xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xsrc, _ix(64 * sb + 32 * h + 4 * i))
+
+    @_inline
     def load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat):
         """The rows of unit (r, k): gate then up, all loads first (SPLIT: matrix mat only)."""
         for m in range(NM):
@@ -2454,11 +2460,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         for i in range(32):
             xw[i] = int32(0)
         xds = float32(0.0)
-        if valid:
-            for i in range(8 if not XSTAGE else 0):    # (XSTAGE: from shared memory, below)
-                xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
-            if not XSTAGE:
-                xds = xd[sb]
+        if valid and not XSTAGE:                        # (XSTAGE: from shared memory, below)
+            load_x(xq32, xw, sb, h)
+            xds = xd[sb]
         # a register operand (see iq2_permute), read from a per-lane address: read from one
         # address, ptxas holds it in a uniform register and copies it into a vector one before
         # every prmt
@@ -2504,8 +2508,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             cp_async_wait0()
             cuda.syncthreads()
             if valid:
-                for i in range(8):
-                    xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xs_s, _ix(64 * sb + 32 * h + 4 * i))
+                load_x(xs_s, xw, sb, h)
                 xds = xds_s[sb]
         while unit < n_units:                           # warp-uniform loop
             if XSTAGE != 2 or unit != wfirst:           # (XSTAGE 2: the first unit's rows are in)
@@ -4033,19 +4036,18 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     a16, a32, _, _ = _arena_views(arena)
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
-        # the defaults (DEFER, no register cap) are left out of the key: kernels/manifest.json
-        # lists (NSB, PRE)
-        extra = () if _GU_DEFER and not _REGS_GU_HALVES else (_GU_DEFER, _REGS_GU_HALVES)
-        if _IQ2_REPACKED_GATE_UP:
-            if F.row_bytes(gate_type, n_embd) % 16:
-                raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
-                                 "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-            extra = (_GU_DEFER, _REGS_GU_HALVES, True)
-        if _GU_XSTAGE or _GU_SPLIT:
-            extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE, _GU_SPLIT)
+        if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
+            raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
+                             "multiple of 8 super-blocks (expert bases 16-byte aligned)")
         if _GU_SPLIT and (_NW_GATE_UP % 2 or _RPB_GATE_UP * n_used > _GU_SPLIT_PAIRS):
             raise ValueError("_GU_SPLIT needs an even warp count and rows per block x slots <= "
                              f"{_GU_SPLIT_PAIRS}")
+        # the variant knobs after (NSB, PRE), their defaults left off the end of the key:
+        # kernels/manifest.json lists (NSB, PRE)
+        extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE, _GU_SPLIT)
+        defaults = _moe_gate_up_halves_kernel.__defaults__[1:]
+        while extra and extra[-1] == defaults[len(extra) - 1]:
+            extra = extra[:-1]
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
     else:
