@@ -496,18 +496,10 @@ class _MoEStep:
         CK.expert_offsets(self.ids, m["og"], m["ou"], m["od"], m["stride_gu"], m["stride_d"],
                           self.slot_off, s)
 
-    def prefetch(self, s, mats):
-        """The step's experts' gate (mats bit 0), up (1) and down (2) bytes asked into L2."""
-        from . import cuda as CK
-        m = self.moe
-        CK.prefetch_experts_l2(m["arena"].buf, self.slot_off, mats, m["stride_gu"], m["stride_d"], s)
-
-    def full(self, s, prefetch_mats=0):
+    def full(self, s):
         from . import cuda as CK
         m = self.moe
         self.offsets(s)
-        if prefetch_mats:
-            self.prefetch(s, prefetch_mats)
         CK.moe_decode(m["arena"].buf, self.slot_off, m["gate_type"], m["down_type"], self.x,
                       self.rw, 10.0, self.out, self.ws, s)
 
@@ -845,21 +837,14 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37; a sub-block's lookups issued ahead of its permutes, L1 prefetches of the unit's up
     # row and the next unit's rows: no faster on the H100, session 43)
-    # Session 44: x staged once per block (_GU_XSTAGE; 2: the first unit's rows requested during
-    # the staging; 114 registers uncapped, 80 with 56 bytes of stack when capped) and a warp per
-    # matrix (_GU_SPLIT; ptxas sm_90: 72 registers, with x staged 64 without spills: 32 warps per
-    # SM with rows 4 x warps 8 (512 blocks) or 2 x 4 (1,024))
-    names += ("_GU_XSTAGE", "_GU_SPLIT")
-    variants = [(True, 4, 6, 0, False, 0, False), (True, 4, 6, 0, False, 1, False),
-                (True, 4, 8, 64, False, 1, True), (True, 4, 8, 64, False, 2, True), (True, 2, 4, 64, False, 1, True),
-                (True, 4, 6, 0, False, 1, True), (True, 4, 6, 80, False, 2, False),
-                (True, 4, 6, 0, False, 0, False), (True, 4, 8, 64, False, 1, True)]
+    # (session 44's x staged once per block and a warp per matrix: 2.7-6 us slower on the H100,
+    # session 45, removed)
+    variants = [(True, 4, 6, 0, False), (True, 4, 6, 0, True), (True, 4, 6, 0, False), (True, 4, 6, 0, True)]
 
     def describe(k):
         return (f"halves {'deferred' if k['_GU_DEFER'] else 'per-unit'} SwiGLU rows {k['_RPB_GATE_UP']} "
                 f"warps {k['_NW_GATE_UP']} regs {k['_REGS_GU_HALVES'] or '-'}"
-                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else "") + (f" x staged {k['_GU_XSTAGE']}" if k["_GU_XSTAGE"] else "")
-                + (" warp per matrix" if k["_GU_SPLIT"] else ""))
+                + (" repacked" if k["_IQ2_REPACKED_GATE_UP"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
@@ -911,35 +896,6 @@ def bench_scale_moe(timer, copy_bw, rng, log, moe, slot_counts=(1, 2, 3, 4, 6)):
             slope, icept = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
             res.append(dict(kernel=fn, fit=key, us_per_slot=float(slope), us_fixed=float(icept)))
             log(f"  {fn:8s} {key:8s} = {icept:6.2f} us + {slope:5.2f} us per slot")
-    return res
-
-
-def bench_l2pf(timer, copy_bw, rng, log, moe):
-    """What an L2 prefetch of a step's experts buys when a one-block kernel asks for it right before
-    the MoE decode kernels (prefetch_experts_l2: what route could do once it knows the experts):
-    us per step with PDL edges (and ordinary ones) of gate/up alone, the prefetch of the gate and up
-    bytes then gate/up, the prefetch alone; the whole MoE decode, and the prefetch of all three
-    matrices after the offsets then the whole MoE decode. Each step reads other experts, so nothing
-    is in L2 from the step before."""
-    steps = [_MoEStep(moe, rng) for _ in range(8)]
-    for st in steps:
-        st.full(0)
-        st.prefetch(0, 7)
-    _cuda().synchronize()
-    cases = (("gate/up", "gate_up", lambda st, s: st.gate_up(s)),
-             ("prefetch gate+up, gate/up", "gate_up", lambda st, s: (st.prefetch(s, 3), st.gate_up(s))),
-             ("prefetch gate+up alone", "gate_up", lambda st, s: st.prefetch(s, 3)),
-             ("MoE decode total", "full", lambda st, s: st.full(s)),
-             ("prefetch all three, MoE decode total", "full", lambda st, s: st.full(s, prefetch_mats=7)))
-    n_used = 6
-    nbytes = {"gate_up": 2 * moe["stride_gu"] * n_used, "full": (2 * moe["stride_gu"] + moe["stride_d"]) * n_used}
-    res = []
-    for name, kind, one in cases:
-        us, us_pdl = _per_launch_us(timer, lambda s: [one(st, s) for st in steps], len(steps), log)
-        r = dict(name=name, us=us, weight_MB=nbytes[kind] / 1e6, pct_copy=100 * nbytes[kind] / (us * 1e-6) / copy_bw)
-        _add_pdl(r, us_pdl, nbytes[kind], copy_bw)
-        res.append(r)
-        log(f"  {name:40s} {us:8.2f} us {r['pct_copy']:5.1f} % of copy" + _pdl_text(r))
     return res
 
 
@@ -1158,7 +1114,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe", "l2pf"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1184,8 +1140,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
     if "scale_moe" in parts:
         res["scale_moe"] = bench_scale_moe(timer, copy_bw, rng, log, moe)
-    if "l2pf" in parts:
-        res["l2pf"] = bench_l2pf(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:
         res["tune_prefill"] = bench_tune_prefill(timer, rng, log)
     if "tune_f16" in parts:

@@ -35,9 +35,9 @@ from . import numerics, orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
 from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
-                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait0, cp_async_wait1,
+                              imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l2, shared_addr, shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2299,9 +2299,6 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 
 
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
-_GU_XSTAGE = 0        # moe_gate_up_halves stages x in shared memory once per block (see XSTAGE)
-_GU_SPLIT = False     # moe_gate_up_halves: a warp per matrix, a unit per row (see SPLIT)
-_GU_SPLIT_PAIRS = 64  # SPLIT: most (row, slot) pairs a block (rows per block x slots)
 
 
 @_inline
@@ -2314,7 +2311,7 @@ def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, XSTAGE=0, SPLIT=False):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2356,22 +2353,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     2^(34 - 7 l), its mask and base one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU
     instructions per 8 weights become 5 + 2 IMAD (ptxas sm_90: 72 registers, 525 SASS instructions
     per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
-    The same words from the same tables: the same bits.
-
-    XSTAGE (_GU_XSTAGE, 0: off): the block copies x (its 64 NSB words by cp.async, its NSB scales)
-    into shared memory once and each warp reads its lanes' words from there, instead of every warp
-    reading the whole 4 KB of x from L2 (3,072 warps: 12.6 MB of L2 reads per flash launch, all
-    right after the wait, where the weights are 26 MB). 1: the staging, then the unit loop; 2: each
-    warp's first unit's rows requested while x is on its way (ptxas sm_90: 114 registers uncapped,
-    76 for 0 and 1). The same words: the same bits.
-
-    SPLIT (_GU_SPLIT, off): a warp takes one matrix (gate in even warps, up in odd ones; warps per
-    block even) and a unit is one row, not both: half the registers for row words, so more warps
-    fit an SM, and a unit's two rows are fetched by two warps at once instead of one after the
-    other (ptxas sinks the up row's loads below the gate row's work). The lane of the row's sum
-    leaves it in shared memory; after a block barrier the block's threads compute the SwiGLU of
-    its (row, slot) pairs, one each. The same sums into the same function: the same bits. Needs
-    rows per block x slots <= _GU_SPLIT_PAIRS."""
+    The same words from the same tables: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2383,9 +2365,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     # and_or adds the table's base: aligned past the index field (the simulator takes no
     # alignment; its addresses are aligned)
     KS_ALIGN = 0 if SIMULATOR else 512
-    XS_N = 64 * NSB                     # XSTAGE: x words of a row in shared memory
-    NM = 1 if SPLIT else 2              # rows a unit: gate and up, or one of them
-    RES_N = 2 * _GU_SPLIT_PAIRS         # SPLIT: the block's (row, slot) sums in shared memory
 
     @_inline
     def load_half(a16, a32, roff, sb, h, valid, w, o):
@@ -2409,19 +2388,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 w[o + 8] = a32[_ix(base + 8)]
             w[o + 9] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
 
-    @_inline
-    def load_x(xsrc, xw, sb, h):
-        """The lane's 32 x words (its 128 weights' activations) from xq32, or XSTAGE's shared copy."""
-        for i in range(8):
-            xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xsrc, _ix(64 * sb + 32 * h + 4 * i))
-
-    @_inline
-    def load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat):
-        """The rows of unit (r, k): gate then up, all loads first (SPLIT: matrix mat only)."""
-        for m in range(NM):
-            roffs[m] = slot_off[_ix(k * 3 + m + mat)] + r * rb
-            load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
-
     @_jit_capped(REGS)
     def moe_gate_up_halves(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
                            n_ff, rb, rpb, mid, grid_g, ks_g):
@@ -2432,14 +2398,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
             ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
         else:
             ks_s = cuda.shared.array(KS_N, uint32)
-        if XSTAGE and KS_ALIGN:                         # (16-byte pieces; the simulator takes
-            xs_s = cuda.shared.array(XS_N, int32, alignment=16)    # no alignment)
-        elif XSTAGE:
-            xs_s = cuda.shared.array(XS_N, int32)
-        if XSTAGE:
-            xds_s = cuda.shared.array(16, float32)
-        if SPLIT:
-            res_s = cuda.shared.array(RES_N, float32)
         _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)    # constants: no grid writes them
         if PRE:
             pdl_enter()                                 # everything below may read earlier grids' output
@@ -2460,8 +2418,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         for i in range(32):
             xw[i] = int32(0)
         xds = float32(0.0)
-        if valid and not XSTAGE:                        # (XSTAGE: from shared memory, below)
-            load_x(xq32, xw, sb, h)
+        if valid:
+            for i in range(8):
+                xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 32 * h + 4 * i))
             xds = xd[sb]
         # a register operand (see iq2_permute), read from a per-lane address: read from one
         # address, ptxas holds it in a uniform register and copies it into a vector one before
@@ -2483,10 +2442,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         # the unit walk in 32-bit integers (numba's are 64-bit: a compare or step costs a pair)
         nwarps = int32(cuda.blockDim.x >> 5)
         n_slots = int32(n_used)
-        mat = int32(warp & 1) if SPLIT else int32(0)    # SPLIT: this warp's matrix
-        nwalk = int32(nwarps >> 1) if SPLIT else nwarps  # ... and its walk over the pairs
-        wfirst = int32(warp >> 1) if SPLIT else int32(warp)
-        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, wfirst)
+        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, warp)
         n_units = int32(n_units)
         r = int32(r64)
         k = int32(k64)
@@ -2496,32 +2452,20 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         kept_k = k
         n_kept = int32(0)
         lane32 = int32(lane)
-        unit = wfirst
-        if XSTAGE:
-            for i in range(cuda.threadIdx.x, XS_N >> 2, cuda.blockDim.x):
-                cp_async16_at(xs_s, 4 * i, 0, xq32, 0, 4 * i)  # through no registers
-            cp_async_commit()
-            if XSTAGE == 2 and unit < n_units:          # requested while x is on its way
-                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat)
-            if cuda.threadIdx.x < NSB:
-                xds_s[cuda.threadIdx.x] = xd[cuda.threadIdx.x]
-            cp_async_wait0()
-            cuda.syncthreads()
-            if valid:
-                load_x(xs_s, xw, sb, h)
-                xds = xds_s[sb]
+        unit = int32(warp)
         while unit < n_units:                           # warp-uniform loop
-            if XSTAGE != 2 or unit != wfirst:           # (XSTAGE 2: the first unit's rows are in)
-                load_rows(a16, a32, slot_off, k, r, rb, sb, h, valid, w, roffs, mat)
+            for m in range(2):                          # gate row, up row: all loads first
+                roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
+                load_half(a16, a32, roffs[m], sb, h, valid, w, m * NWD)
             # both rows' sub-blocks interleaved: ptxas keeps a load near its first use, so a
             # row computed after the other would get its words (and both d) only then
-            for m in range(NM):
+            for m in range(2):
                 # the lane's bytes start 2 bytes off a word when roff/2 + sb is even
                 shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 and not REPACKED else uint32(0)
                 totals[m] = int32(0)
                 terms[m] = f16_bits_to_f32(w[m * NWD + 9]) * xds
             for s in range(4):
-                for m in range(NM):
+                for m in range(2):
                     o = m * NWD
                     if REPACKED:
                         aux0 = w[o + 2 * s]
@@ -2537,7 +2481,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                         sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
                     # the sub-block scale 2 s + 1, s = aux1's top nibble (a shift: bfe costs a SGXT more)
                     totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
-            for m in range(NM):
+            for m in range(2):
                 bsum = float32(int32(totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)))
                 acc = cuda.fma(terms[m], bsum, float32(0.0)) if valid else float32(0.0)
                 for g in range(1, NST):                 # the chain: group g - 1 hands on to g
@@ -2547,10 +2491,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, 2)
                 res[m] = float32(0.125) * acc
-            if SPLIT:
-                if lane == LOUT:
-                    res_s[_ix(2 * unit + mat)] = res[0]       # unit: the block's pair
-            elif DEFER:
+            if DEFER:
                 gate = cuda.shfl_sync(FULL_MASK, res[0], LOUT)
                 up = cuda.shfl_sync(FULL_MASK, res[1], LOUT)
                 if lane32 == n_kept:
@@ -2561,16 +2502,9 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                     n_kept = int32(0)
             elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            r, k = _next_unit(r, k, nwalk, n_slots)
-            unit = int32(unit + nwalk)
-        if SPLIT:
-            cuda.syncthreads()
-            r0 = int32(cuda.blockIdx.x * rpb)
-            for t in range(cuda.threadIdx.x, n_units, cuda.blockDim.x):
-                rr = r0 + int32(t) // n_slots
-                kk = int32(t) % n_slots
-                mid[kk * n_ff + rr] = _swiglu(res_s[_ix(2 * t)], res_s[_ix(2 * t + 1)], c32, route_w[kk])
-        elif DEFER and lane32 < n_kept:
+            r, k = _next_unit(r, k, nwarps, n_slots)
+            unit = int32(unit + nwarps)
+        if DEFER and lane32 < n_kept:
             mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
 
     return moe_gate_up_halves
@@ -3926,36 +3860,6 @@ def expert_offsets(expert_ids, base_gate, base_up, base_down, stride_gu, stride_
 
 
 @_jit_capped(0)
-def _experts_l2_prefetch_kernel(a8, slot_off, n_used, mats, gu_bytes, d_bytes, chunk):
-    """prefetch_experts_l2: thread i asks for chunk c of matrix m of slot k (i = (3 k + m) n_max + c),
-    the range widened to 16-byte boundaries (the expert bases are only 4-byte aligned) and kept
-    inside the arena."""
-    pdl_enter()
-    n_max = (max(gu_bytes, d_bytes) + chunk - 1) // chunk
-    end_a = (a8.size >> 4) << 4
-    for i in range(cuda.grid(1), n_used * 3 * n_max, cuda.gridsize(1)):
-        c = i % n_max
-        m = (i // n_max) % 3
-        k = i // (3 * n_max)
-        nbytes = gu_bytes if m < 2 else d_bytes
-        if (mats >> m) & 1 and c * chunk < nbytes:
-            base = slot_off[k * 3 + m]
-            start = ((base + c * chunk) >> 4) << 4
-            end = min(((min(base + (c + 1) * chunk, base + nbytes) + 15) >> 4) << 4, end_a)
-            prefetch_l2(a8, start, end - start)
-
-
-def prefetch_experts_l2(arena, slot_offsets, mats, gu_bytes, d_bytes, stream=0, chunk=32768):
-    """Ask for the routed experts' gate (mats bit 0), up (bit 1) and down (bit 2) bytes to be brought
-    into L2, in chunks of `chunk` bytes, by one block that waits for the previous grid (its
-    slot_offsets) and ends as soon as its prefetches are issued: what route could do once it knows
-    the experts (kbench l2pf times it). gu_bytes / d_bytes: one expert's gate (or up) / down bytes."""
-    _, _, a8, _ = _arena_views(arena)
-    _experts_l2_prefetch_kernel[1, 256, _stream(stream)](
-        a8, _flat(slot_offsets), slot_offsets.shape[0], int(mats), int(gu_bytes), int(d_bytes), int(chunk))
-
-
-@_jit_capped(0)
 def _scales_last_relayout_kernel(a8, off, n_rows, row_bytes, n_blocks, payload, to_repacked):
     """One block per row (grid-stride): the row into shared memory, then each byte to its place.
     The row's blocks are [2-byte f16 scale][payload bytes]. Position t of a repacked row holds:
@@ -4039,12 +3943,9 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:
             raise ValueError("moe_gate_up_halves reads repacked rows in 16-byte words: rows of a "
                              "multiple of 8 super-blocks (expert bases 16-byte aligned)")
-        if _GU_SPLIT and (_NW_GATE_UP % 2 or _RPB_GATE_UP * n_used > _GU_SPLIT_PAIRS):
-            raise ValueError("_GU_SPLIT needs an even warp count and rows per block x slots <= "
-                             f"{_GU_SPLIT_PAIRS}")
         # the variant knobs after (NSB, PRE), their defaults left off the end of the key:
         # kernels/manifest.json lists (NSB, PRE)
-        extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_XSTAGE, _GU_SPLIT)
+        extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP))
         defaults = _moe_gate_up_halves_kernel.__defaults__[1:]
         while extra and extra[-1] == defaults[len(extra) - 1]:
             extra = extra[:-1]

@@ -5,7 +5,7 @@ usage: python3 scripts/bench_kernels.py [--out bench.json] [--parts dense,moe,la
                                        [--knobs "NAME=INT,..."]
 
 --knobs sets kernels.cuda knobs for the whole run (flash_engine's knob texts), so that a part such
-as scale_moe times a variant: --knobs "_GU_SPLIT=1,_GU_XSTAGE=1,_NW_GATE_UP=8,_REGS_GU_HALVES=64".
+as scale_moe times a variant: --knobs "_RPB_GATE_UP=4,_NW_GATE_UP=8,_REGS_GU_HALVES=64".
 (Not _IQ2_REPACKED_GATE_UP: its rows must be rewritten first, which only the tune_* sweeps do.)
 """
 

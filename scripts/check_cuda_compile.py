@@ -110,18 +110,12 @@ quant = {
  # _PRE_GATE_UP: the tables filled before pdl_enter()
  "moe_gate_up_decode IQ2_XXS (byte-permute, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, False, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_decode IQ2_XXS (x staged, tables before pdl_enter)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 2, 0, False, 0, False, False, True), moe_dec),
- "experts' L2 prefetch": (lambda: qk._experts_l2_prefetch_kernel, (u8a, i64a, i64, i64, i64, i64, i64)),
  # _IQ2_REPACKED_GATE_UP: the rows in iq2_xxs_relayout's layout (one aligned 8-byte load per sub-block)
  "scales-last relayout (IQ2_XXS, Q8_0)": (lambda: qk._scales_last_relayout_kernel, (u8a, i64, i64, i64, i64, i64, b1)),
  "moe_gate_up_decode IQ2_XXS (x in registers, const steps, byte-permute, repacked rows)": (lambda: qk._moe_gate_up_decode_kernel(IQ2, 4, 0, True, 16, True, True), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, SwiGLU per unit)": (lambda: qk._moe_gate_up_halves_kernel(16, True, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, x staged per block)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 1), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, x staged, first rows during it, 80 registers)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 80, False, 2), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 0, True), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix, x staged)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 1, True), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, a warp per matrix, x staged, first rows during it)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 2, True), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view

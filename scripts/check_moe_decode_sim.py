@@ -4,8 +4,7 @@ kernel (_R_DOWN_SLOTS, with and without the HC-post epilogue) against the defaul
 bit; gate/up with the byte-permute weights (_IQ2_PERM_GATE_UP) and on repacked rows
 (_IQ2_REPACKED_GATE_UP, iq2_xxs_relayout there and back); `... perm` runs those cases only.
 The down kernel with a lane per super-block (_DOWN_SB) against moe_down_decode; `... down` runs those
-only, `... halves` the gate/up halves kernel only, `... prefetch` the experts' L2 prefetch
-(tests/test_moe_sim.py runs each).
+only, `... halves` the gate/up halves kernel only (tests/test_moe_sim.py runs each).
 Also the Q8_0 decode matvec on q8_0_relayout's rows (scales_last=True), and q8_0_pairs against
 q8_0_rows on them; `... q8` runs those only.
 This checks their indexing and operation order (both sides run the same simulated arithmetic:
@@ -346,20 +345,6 @@ def halves_checks():
         _knobs(_IQ2_REPACKED_GATE_UP=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
-    # x staged once per block (_GU_XSTAGE 1; 2: the first unit's rows requested during it) and a
-    # warp per matrix (_GU_SPLIT) at K 1280 (a partial chain step, idle lanes) and 4096, 5 rows of
-    # 2 slots, rows 3 a block (a partial last block) x warps 2 (3 units a warp) or 4 (SPLIT: pairs
-    # 2 apart)
-    for n_embd in (1280, 4096):
-        _knobs(_GU_HALVES=True, _RPB_GATE_UP=3, _NW_GATE_UP=2, _GU_XSTAGE=0, _GU_SPLIT=False)
-        ref = gate_up(n_embd, 5, 2, 7)
-        for xstage, split, nw in ((1, False, 2), (2, False, 2), (0, True, 2), (1, True, 4)):
-            _knobs(_GU_XSTAGE=xstage, _GU_SPLIT=split, _NW_GATE_UP=nw)
-            ok = all(np.array_equal(a, b) for a, b in zip(gate_up(n_embd, 5, 2, 7), ref))
-            bad += not ok
-            print(f"{'ok ' if ok else 'BAD'} gate/up halves, x staged {xstage}, a warp per matrix "
-                  f"{int(split)}, warps {nw}: K {n_embd}", flush=True)
-        _knobs(_GU_XSTAGE=0, _GU_SPLIT=False)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)
@@ -368,38 +353,6 @@ def halves_checks():
     bad += not ok
     print(f"{'ok ' if ok else 'BAD'} gate/up halves, deferred SwiGLU over 80 units a warp", flush=True)
     _knobs(_GU_HALVES=False)
-    return bad
-
-
-def prefetch_checks():
-    """prefetch_experts_l2 (the experts' L2 prefetch): the ranges it asks for (the simulator's
-    prefetch_l2 records them) cover every byte of the selected experts' matrices and no byte outside
-    their spans widened to 16-byte boundaries; expert bases only 4-byte aligned, sizes not multiples
-    of 16 or of the chunk."""
-    from ds4py.kernels import cuda_intrinsics as CI
-    bad = 0
-    n_arena = 200_000
-    arena = cuda.to_device(np.zeros(n_arena, np.uint8))
-    gu, dn = 9_000, 5_004
-    so = np.array([[4, 20_004, 40_020], [60_100, 80_008, 100_012], [120_004, 140_000, 199_000 - dn]], np.int64)
-    for mats in (7, 3, 4):
-        CI.PREFETCHED.clear()
-        K.prefetch_experts_l2(arena, cuda.to_device(so), mats, gu, dn, chunk=4096)
-        covered = np.zeros(n_arena, bool)
-        for off, n in CI.PREFETCHED:
-            covered[off:off + n] = True
-        want = np.zeros(n_arena, bool)
-        allowed = np.zeros(n_arena, bool)
-        for k in range(3):
-            for m in range(3):
-                if mats >> m & 1:
-                    b, n = int(so[k, m]), (gu if m < 2 else dn)
-                    want[b:b + n] = True
-                    allowed[b & ~15:(b + n + 15) & ~15] = True
-        ok = bool(covered[want].all()) and not covered[~allowed].any()
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} experts' L2 prefetch covers matrices {mats:03b} exactly "
-              f"({len(CI.PREFETCHED)} ranges)", flush=True)
     return bad
 
 
@@ -437,8 +390,7 @@ def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
     # groups run on their own (twins: its exact fma stays patched in)
-    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks,
-              "prefetch": prefetch_checks}
+    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks}
     if only not in ("", "perm", "q8", *groups):
         print(f"unknown group {only!r}: name one of perm, q8, {', '.join(groups)}, or none for all")
         return 2
@@ -519,7 +471,6 @@ def main():
         print(f"{'ok ' if ok else 'BAD'} down slots: K {n_ff}, {n_embd} rows, R {R}{', HC post' if hc else ''}",
               flush=True)
     bad += down_sb_checks()
-    bad += prefetch_checks()
     print("all MoE decode simulator checks passed" if not bad else f"{bad} FAILED")
     return 1 if bad else 0
 
