@@ -837,8 +837,8 @@ def bench_tune_halves(timer, copy_bw, rng, log, moe):
     # (the per-unit SwiGLU and rows x warps 4 x 8, 8 x 8 on repacked rows: slower on the H100,
     # session 37; a sub-block's lookups issued ahead of its permutes, L1 prefetches of the unit's up
     # row and the next unit's rows: no faster on the H100, session 43)
-    # (session 44's x staged once per block and a warp per matrix: 2.7-6 us slower on the H100,
-    # session 45, removed)
+    # (session 44's x staged once per block and a warp per matrix: 2.3-7.1 us slower on the H100
+    # with PDL edges, session 45; removed)
     variants = [(True, 4, 6, 0, False), (True, 4, 6, 0, True), (True, 4, 6, 0, False), (True, 4, 6, 0, True)]
 
     def describe(k):
