@@ -16,9 +16,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_moe_decode_sim
 
 # the cases each part prints: down 10 (rows of 8, 4, 3, 1 super-blocks; experts on and off 16 bytes;
 # 4, 8 and 12 rows a block; with and without the HC post; none or 2 weight groups (the default: 1)
-# copied before the wait), halves 12 (K 256 .. 4096 against the
+# copied before the wait), halves 9 (K 256 .. 4096 against the
 # decode kernel, the SwiGLU per unit at K 768 and 4096, repacked rows at K 2048 and 4096, the
-# down matrices asked for in L2 at the start / after the first unit / with evict_last, the
 # deferred SwiGLU's flushes), twins 20 (Q8_0 split-K 1 / 2 / 4, a pair launch
 # and the pairs kernel; F16 split-K 1 / 4 and a partial step; IQ2_XXS, Q2_K and Q4_K rows of 1 .. 16
 # super-blocks; the routed gate/up with its SwiGLU; the routed down projection's slot sums)
