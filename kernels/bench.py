@@ -697,12 +697,11 @@ def bench_prefill(timer, rng, log, moe, n_tok=2048):
     return res
 
 
-def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe, with_total=False):
+def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe):
     """Time bench_moe's decode launches under each variant (a value for each of the kernels.cuda
     knobs `names`), checking that every variant gives the bits of the first (mid and out of one
     step); describe(variant dict) labels a log line. A variant with _IQ2_REPACKED_GATE_UP set runs
-    on the arena's gate and up experts rewritten by iq2_xxs_relayout (and back after it).
-    with_total: the whole MoE decode (bench_moe's first line) too, not only its two kernels."""
+    on the arena's gate and up experts rewritten by iq2_xxs_relayout (and back after it)."""
     from . import cuda as CK
     cuda = _cuda()
     res = []
@@ -733,7 +732,7 @@ def _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe,
             bits = (step.ws.mid.copy_to_host(), step.out.copy_to_host())
             first = first or bits
             same = all(np.array_equal(a, b) for a, b in zip(bits, first))
-            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[0 if with_total else 1:]:
+            for r in bench_moe(timer, copy_bw, rng, lambda m: None, moe)[1:]:
                 r["variant"] = knobs
                 r["same_bits"] = same
                 res.append(r)
@@ -866,20 +865,6 @@ def bench_tune_down(timer, copy_bw, rng, log, moe):
                 + (f" early {k['_DOWN_EARLY']}" if k["_DOWN_EARLY"] else ""))
 
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
-
-
-def bench_tune_pfdown(timer, copy_bw, rng, log, moe):
-    """The whole MoE decode with gate/up asking for the down matrices in L2 while it runs
-    (_GU_PF_DOWN: 1 at each block's start, 2 after warp 0's first unit, + 4 evict_last), against
-    none; the total is what counts (down then reads L2; alone, each kernel reads DRAM as before).
-    Same bits checked; the first variant comes again at the end (drift)."""
-    names = ("_GU_PF_DOWN",)
-    variants = [(0,), (1,), (2,), (5,), (6,), (0,), (2,)]
-
-    def describe(k):
-        return f"down prefetch {k['_GU_PF_DOWN']}"
-
-    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe, with_total=True)
 
 
 def bench_scale_moe(timer, copy_bw, rng, log, moe, slot_counts=(1, 2, 3, 4, 6)):
@@ -1129,7 +1114,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe", "tune_pfdown"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1153,8 +1138,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
-    if "tune_pfdown" in parts:
-        res["tune_pfdown"] = bench_tune_pfdown(timer, copy_bw, rng, log, moe)
     if "scale_moe" in parts:
         res["scale_moe"] = bench_scale_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

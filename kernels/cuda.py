@@ -37,8 +37,7 @@ from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
-                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, prefetch_l2, shared_addr,
-                              shr64_lo)
+                              mma_s8_acc, mulhi, negate_bytes, pdl_enter, shared_addr, shr64_lo)
 from .cuda_ops import _warp_sync, hc_post_dim
 from .disk_cache import cached_jit
 from .launch import install as _install_fast_launch, view as memo_view
@@ -2302,33 +2301,6 @@ _GU_DEFER = True   # moe_gate_up_halves keeps each unit's gate and up in lane (u
 _REGS_GU_HALVES = 0   # register cap of moe_gate_up_halves (0: none; ptxas sm_90 gives it 76)
 
 
-_GU_PF_DOWN = 0   # moe_gate_up_halves asks for the routed experts' down matrices in L2 while it
-                  # works (gate/up leaves DRAM ~75 % idle: session 37's ncu, 24.7 % busy), so
-                  # that moe_down reads them from L2: 0 off; 1 each block's slice at its start,
-                  # 2 after warp 0's first unit; + 4: with an L2 evict_last policy (experiment)
-
-
-@_inline
-def _prefetch_down_slice(a32, slot_off, n_used, slot_bytes, last):
-    """This block's share (1 / gridDim.x, 16-byte pieces) of the n_used down matrices of
-    slot_bytes bytes each at slot_off[3 k + 2], asked for in L2 (at most one prefetch per matrix
-    it touches; ends rounded down to 16 bytes)."""
-    total = int64(n_used) * slot_bytes
-    nblk = int64(cuda.gridDim.x)
-    chunk = ((total + nblk - 1) // nblk + 15) & ~int64(15)
-    lo = int64(cuda.blockIdx.x) * chunk
-    hi = min(lo + chunk, total)
-    while lo < hi:
-        k = lo // slot_bytes
-        end = min(hi, (k + 1) * slot_bytes)
-        base = slot_off[_ix(3 * k + 2)] - k * slot_bytes
-        first = (base + lo) & ~int64(15)
-        last_b = (base + end) & ~int64(15)
-        if last_b > first:
-            prefetch_l2(a32, first, last_b - first, last)
-        lo = end
-
-
 @_inline
 def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     """The grid and sign selector words of group l of an IQ2_XXS sub-block (moe_gate_up_halves):
@@ -2339,7 +2311,7 @@ def _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase):
     return gsel, lds32(and_or(sraw, 0x7F << 2, sbase))
 
 
-def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False, PFD=0):
+def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False):
     """IQ2_XXS gate/up decode with a lane per half super-block (lane = 2 sb + h: sub-blocks 4 h ..
     4 h + 3 of super-block sb, 128 weights), for rows of NSB <= 16 super-blocks; the grid, block
     shape and arguments of moe_gate_up_decode (xbs and nsb unused).
@@ -2381,13 +2353,7 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     2^(34 - 7 l), its mask and base one LOP3 on a 512-aligned table (SHF + SGXT + LEA before): 9 ALU
     instructions per 8 weights become 5 + 2 IMAD (ptxas sm_90: 72 registers, 525 SASS instructions
     per unit against 554; H200 kbench: 19.7 us against 20.3-20.4 with PDL edges, session 30).
-    The same words from the same tables: the same bits.
-
-    PFD (_GU_PF_DOWN; nsb then holds a slot's down-matrix bytes, 0: none): the block also asks
-    for its slice of the down matrices in L2 (_prefetch_down_slice), at its start (PFD & 3 == 1)
-    or after warp 0's first unit (2); PFD & 4 with an evict_last policy. Bits unchanged."""
-    PF_WHEN = PFD & 3
-    PF_LAST = (PFD & 4) != 0
+    The same words from the same tables: the same bits."""
     NST = (NSB + 3) >> 2                # chain length: super-blocks per lane group q
     LOUT = 8 * (NST - 1)                # a lane of the last group: it holds the row's sum
     NWD = 10                            # words per row and lane: 9 data words, the f16 d
@@ -2442,8 +2408,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
         if cuda.threadIdx.x < 32:       # pos (iq2_permute's bytes 0, 8, 25, 43) once per lane:
             ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)   # see below
         cuda.syncthreads()
-        if PF_WHEN == 1 and cuda.threadIdx.x == 0 and nsb > 0:
-            _prefetch_down_slice(a32, slot_off, n_used, nsb, PF_LAST)
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         sb = lane >> 1
@@ -2538,8 +2502,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
                     n_kept = int32(0)
             elif lane == LOUT:
                 mid[k * n_ff + r] = _swiglu(res[0], res[1], c32, route_w[k])
-            if PF_WHEN == 2 and unit == 0 and lane32 == 0 and nsb > 0:
-                _prefetch_down_slice(a32, slot_off, n_used, nsb, PF_LAST)
             r, k = _next_unit(r, k, nwarps, n_slots)
             unit = int32(unit + nwarps)
         if DEFER and lane32 < n_kept:
@@ -3965,14 +3927,13 @@ def _shmem_x(wtype, n_rows, K):
 
 
 def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, clamp, mid,
-                stream=0, bsums=None, down_bytes=0):
+                stream=0, bsums=None):
     """Gate and up of every selected expert in ONE launch, with ds4's clamped SwiGLU and the
     route weight: mid[k, r] = silu(min(g, c)) * clip(u, -c, c) * route_w[k].
 
     slot_offsets: device int64[n_used, 3] byte offsets (gate, up, down) into arena (expert
     tensors 4-byte aligned); xq/xd(/bsums): the token's Q8_K activation; route_w: device
     f32[n_used]; mid: f32[n_used, n_ff]. bsums is needed for Q2_K / Q4_K gate and up.
-    down_bytes: one down matrix's bytes, for _GU_PF_DOWN's L2 prefetch (0: none).
     """
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
@@ -3984,13 +3945,12 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
                              "multiple of 8 super-blocks (expert bases 16-byte aligned)")
         # the variant knobs after (NSB, PRE), their defaults left off the end of the key:
         # kernels/manifest.json lists (NSB, PRE)
-        extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP), _GU_PF_DOWN)
+        extra = (_GU_DEFER, _REGS_GU_HALVES, bool(_IQ2_REPACKED_GATE_UP))
         defaults = _moe_gate_up_halves_kernel.__defaults__[1:]
         while extra and extra[-1] == defaults[len(extra) - 1]:
             extra = extra[:-1]
         kernel = _cached(_moe_gate_up_halves_kernel, NSB, pre, *extra)
         tables, shmem = _iq2_selector_tables_device(), 0
-        nsb = down_bytes if _GU_PF_DOWN else n_embd // 256     # (the halves kernel reads nsb only then)
     else:
         NCH = min(_NCH_GATE_UP, _nch(n_embd)) if _NCH_GATE_UP else _nch(n_embd)
         regs = _REGS_GATE_UP
@@ -4004,11 +3964,10 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
         kernel = _cached(_moe_gate_up_decode_kernel, gate_type, NCH, regs, x_regs, NSB, perm, repacked, pre)
         tables = _iq2_selector_tables_device() if perm else _iq2_tables()
         shmem = 0 if x_regs else _shmem_x(gate_type, 1, n_embd)
-        nsb = n_embd // 256
     rpb = _RPB_GATE_UP          # both kernels: the same grid, block and arguments
     kernel[(n_ff + rpb - 1) // rpb, _NW_GATE_UP * WARP, _stream(stream), shmem](
         a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd),
-        _flat(bsums) if bsums is not None else _dummy_i32(), nsb, _flat(route_w),
+        _flat(bsums) if bsums is not None else _dummy_i32(), n_embd // 256, _flat(route_w),
         np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd), rpb, _flat(mid), *tables)
 
 
@@ -4083,7 +4042,7 @@ def moe_decode_experts(arena, slot_offsets, gate_type, down_type, route_w, clamp
     before_down() is called between the last two (the engine joins a side stream there), hc is
     moe_down's."""
     moe_gate_up(arena, slot_offsets, gate_type, ws.n_embd, ws.n_ff, ws.xq, ws.xd, route_w, clamp,
-                ws.mid, stream, bsums=ws.xbs, down_bytes=ws.n_embd * F.row_bytes(down_type, ws.n_ff))
+                ws.mid, stream, bsums=ws.xbs)
     quantize_q8_k(ws.mid, ws.mq, ws.md, ws.mbs, stream)
     if before_down is not None:
         before_down()

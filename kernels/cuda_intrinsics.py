@@ -48,12 +48,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
-* ``prefetch_l2(a, byte_off, nbytes, last)``: ask for nbytes of the global array a from byte
-  byte_off on to be brought into L2 (PTX cp.async.bulk.prefetch.L2.global, sm_90; both multiples of
-  16): one instruction for a contiguous range, no registers, nothing waits for it. last (a
-  compile-time bool) adds an L2 evict_last cache policy (createpolicy.fractional, fraction 1.0).
-  The simulator records each call's (byte_off, nbytes) in PREFETCHED, for tests of what a kernel
-  asks for.
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
   Both take a flat element index, so s may be a C-contiguous array of any rank.
@@ -293,13 +287,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async_wait1():
         return None
-
-    PREFETCHED = []                        # (byte offset, bytes) of each prefetch_l2 call
-
-    def prefetch_l2(a, byte_off, nbytes, last):
-        assert int(byte_off) % 16 == 0 and int(nbytes) % 16 == 0 and int(nbytes) > 0
-        assert 0 <= int(byte_off) and int(byte_off) + int(nbytes) <= a.size * a.dtype.itemsize
-        PREFETCHED.append((int(byte_off), int(nbytes)))
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -589,30 +576,6 @@ else:
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
-
-    @intrinsic
-    def prefetch_l2(typingctx, a, byte_off, nbytes, last):
-        if not (isinstance(a, types.Array) and isinstance(byte_off, types.Integer)
-                and isinstance(nbytes, types.Integer) and isinstance(last, types.BooleanLiteral)):
-            return None
-        sig = types.void(a, byte_off, nbytes, last)
-        if last.literal_value:
-            asm = ("{ .reg .b64 p; createpolicy.fractional.L2::evict_last.b64 p, 1.0; "
-                   "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, p; }")
-        else:
-            asm = "cp.async.bulk.prefetch.L2.global [$0], $1;"
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i64 = ir.IntType(64)
-            off = context.cast(builder, args[1], signature.args[1], types.int64)
-            addr = builder.add(builder.ptrtoint(ary.data, i64), off)
-            size = _i32(context, builder, args[2], signature.args[2])
-            fnty = ir.FunctionType(ir.VoidType(), [i64, ir.IntType(32)])
-            builder.call(ir.InlineAsm(fnty, asm, "l,r", side_effect=True), [addr, size])
-            return context.get_dummy_value()
-
-        return sig, codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

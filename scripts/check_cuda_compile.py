@@ -116,9 +116,6 @@ quant = {
  "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, SwiGLU per unit)": (lambda: qk._moe_gate_up_halves_kernel(16, True, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
- # _GU_PF_DOWN: the down matrices asked for in L2 (after warp 0's first unit; with evict_last)
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, down prefetch)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 2), moe_dec[:-2] + (u32a, u32a)),
- "moe_gate_up_halves IQ2_XXS (16 super-blocks, down prefetch at the start, evict_last)": (lambda: qk._moe_gate_up_halves_kernel(16, True, True, 0, False, 5), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view

@@ -107,17 +107,11 @@ def _knobs(**kw):
     K._ROWDOTS.clear()
 
 
-def gate_up(n_embd, n_ff, n_used, seed, repacked=False, down_bytes=0):
-    """down_bytes: a down matrix's bytes after the gate and up experts (for _GU_PF_DOWN's
-    prefetch; slot k's at od + k * down_bytes, slots in reverse expert order); then also returns
-    the (offset, bytes) ranges of every down matrix."""
+def gate_up(n_embd, n_ff, n_used, seed, repacked=False):
     rng = np.random.default_rng(seed)
     gate = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
     up = TD.random_weights(F.IQ2_XXS, (n_used, n_ff, n_embd), rng)
-    parts = [gate, up] + ([np.zeros(n_used * down_bytes + 8, np.uint8)] if down_bytes else [])
-    arena, offs = _arena(parts)
-    og, ou = offs[:2]
-    od = offs[2] + 8 if down_bytes else 0      # 8 bytes off 16: the prefetch rounds
+    arena, (og, ou) = _arena([gate, up])
     if repacked:                  # the experts in iq2_xxs_relayout's layout, and back exactly
         before = arena.copy_to_host()
         for o in (og, ou):
@@ -129,41 +123,12 @@ def gate_up(n_embd, n_ff, n_used, seed, repacked=False, down_bytes=0):
         assert not np.array_equal(moved, before)
         arena = cuda.to_device(moved)
     stride = gate.shape[1] * gate.shape[2]
-    downs = [od + (n_used - 1 - k) * down_bytes for k in range(n_used)]
-    so = cuda.to_device(np.array([[og + k * stride, ou + k * stride, downs[k]] for k in range(n_used)],
-                                 np.int64))
+    so = cuda.to_device(np.array([[og + k * stride, ou + k * stride, 0] for k in range(n_used)], np.int64))
     xq, xd, xbs = _q8k(rng.standard_normal(n_embd))
     rw = cuda.to_device(rng.uniform(0.05, 0.6, n_used).astype(np.float32))
     mid = cuda.device_array((n_used, n_ff), np.float32)
-    K.moe_gate_up(arena, so, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, mid, bsums=xbs,
-                  down_bytes=down_bytes)
-    if down_bytes:
-        return (mid.copy_to_host(),), [(d, down_bytes) for d in downs]
+    K.moe_gate_up(arena, so, F.IQ2_XXS, n_embd, n_ff, xq, xd, rw, 10.0, mid, bsums=xbs)
     return (mid.copy_to_host(),)
-
-
-def _covered(ranges, want):
-    """Whether the prefetched (offset, bytes) ranges each lie in one down matrix of want (its start
-    may be rounded down to 16 bytes), overlap nowhere, and cover every matrix but its last < 16
-    bytes at each end."""
-    got = sorted(ranges)
-    if not got or any(a + n > b for (a, n), (b, _) in zip(got, got[1:])):
-        return False
-    owned = {o: [] for o, _ in want}
-    for a, m in got:
-        homes = [o for o, n in want if o - 15 <= a and a + m <= o + n]
-        if not homes:
-            return False
-        owned[max(homes)].append((a, m))
-    for o, n in want:
-        pos = (o + 15) // 16 * 16
-        for a, m in owned[o]:
-            if a > pos:
-                return False
-            pos = max(pos, a + m)
-        if pos < (o + n) // 16 * 16:
-            return False
-    return True
 
 
 def down(n_ff, n_embd, n_used, seed, hc=False, shift=0):
@@ -380,20 +345,6 @@ def halves_checks():
         _knobs(_IQ2_REPACKED_GATE_UP=False)
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} gate/up halves on repacked rows: K {n_embd}", flush=True)
-    # _GU_PF_DOWN: the down matrices asked for in L2 (the blocks' slices cover them, nothing
-    # outside), the same bits; 3 slots, 5 blocks (rows 2 x 10), matrices 8 bytes off 16
-    from ds4py.kernels import cuda_intrinsics as CI
-    for pfd in (1, 2, 6):
-        _knobs(_GU_HALVES=True, _RPB_GATE_UP=2, _NW_GATE_UP=2, _GU_PF_DOWN=0)
-        ref = gate_up(768, 10, 3, 5)
-        _knobs(_GU_PF_DOWN=pfd)
-        CI.PREFETCHED.clear()
-        got, want = gate_up(768, 10, 3, 5, down_bytes=1000)
-        ok = all(np.array_equal(a, b) for a, b in zip(got, ref)) and _covered(CI.PREFETCHED, want)
-        _knobs(_GU_PF_DOWN=0)
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up halves, down matrices prefetched ({pfd}): "
-              f"{len(CI.PREFETCHED)} prefetches", flush=True)
     # the deferred SwiGLU's flushes: one warp of 80 units (two full passes of 32, then 16)
     _knobs(_GU_HALVES=True, _GU_DEFER=False, _RPB_GATE_UP=40, _NW_GATE_UP=1)
     ref = gate_up(256, 41, 2, 9)

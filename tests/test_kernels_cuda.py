@@ -438,15 +438,6 @@ def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer)
                                       _RPB_GATE_UP=4, _NW_GATE_UP=6)
 
 
-@pytest.mark.parametrize("pfd", [1, 2, 5, 6])
-def test_moe_gate_up_halves_down_prefetch_same_bits(experts, moe_knobs, pfd):
-    """moe_gate_up_halves asking for the down matrices in L2 (_GU_PF_DOWN: at the start or after
-    warp 0's first unit, with and without evict_last): a hint, so mid and the MoE output are the
-    same bits (the simulator checks which bytes it asks for)."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 37, _GU_HALVES=True, _GU_PF_DOWN=pfd,
-                                      _RPB_GATE_UP=4, _NW_GATE_UP=6)
-
-
 @pytest.mark.parametrize("extra", [0, 2])
 def test_moe_gate_up_halves_deferred_flushes(moe_knobs, extra):
     """The deferred SwiGLU over more than 32 units a warp (one warp per block, 40 rows of 2 slots:

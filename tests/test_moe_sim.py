@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_moe_decode_sim
 # deferred SwiGLU's flushes), twins 20 (Q8_0 split-K 1 / 2 / 4, a pair launch
 # and the pairs kernel; F16 split-K 1 / 4 and a partial step; IQ2_XXS, Q2_K and Q4_K rows of 1 .. 16
 # super-blocks; the routed gate/up with its SwiGLU; the routed down projection's slot sums)
-@pytest.mark.parametrize("which,n_cases", [("down", 10), ("halves", 12), ("twins", 20)])
+@pytest.mark.parametrize("which,n_cases", [("down", 10), ("halves", 9), ("twins", 20)])
 def test_moe_decode_variants_give_the_shipped_bits_in_the_simulator(which, n_cases):
     r = subprocess.run([sys.executable, str(SCRIPT), which], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "all MoE decode simulator checks passed" in r.stdout, \
