@@ -867,22 +867,6 @@ def bench_tune_down(timer, copy_bw, rng, log, moe):
     return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
 
 
-def bench_tune_ksplit(timer, copy_bw, rng, log, moe):
-    """moe_gate_up_ksplit (_GU_KSPLIT: a warp pair per (row, slot) unit, each warp half the row;
-    ptxas sm_90: 64 registers, 32 warps per SM) under rows x warps per block that keep the flash
-    layer's 12,288 units one wave (rows 4 x 8 warps: 512 blocks, 4 per SM; 2 x 4: 1,024, 8 per SM;
-    8 x 16: 256, 2 per SM), against the shipped halves kernel (rows 4 x 6 warps). Same bits
-    checked; the shipped kernel and the first k-split variant again at the end (drift)."""
-    names = ("_GU_KSPLIT", "_RPB_GATE_UP", "_NW_KSPLIT")
-    variants = [(False, 4, 8), (True, 4, 8), (True, 2, 4), (True, 8, 16), (False, 4, 8), (True, 4, 8)]
-
-    def describe(k):
-        return (f"k-split rows {k['_RPB_GATE_UP']} warps {k['_NW_KSPLIT']}" if k["_GU_KSPLIT"]
-                else f"halves rows {k['_RPB_GATE_UP']}")
-
-    return _moe_variant_sweep(timer, copy_bw, rng, log, moe, names, variants, describe)
-
-
 def bench_scale_moe(timer, copy_bw, rng, log, moe, slot_counts=(1, 2, 3, 4, 6)):
     """The shipped MoE decode kernels at 1..6 routed slots (the same grid: fewer (row, slot) units
     a warp): us per launch with PDL edges against the slot count, and the least-squares line
@@ -1130,7 +1114,7 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
     log(f"  {'shape':44s} {'time':>11s} {'weights':>12s} {'of copy':>7s}")
     if "dense" in parts:
         res["dense"] = bench_dense(timer, copy_bw, rng, log)
-    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe", "tune_ksplit"} & set(parts)
+    moe = (_moe_setup(rng) if {"moe", "layer", "prefill", "tune_moe", "tune_gu", "tune_halves", "tune_down", "scale_moe"} & set(parts)
            else None)
     if "moe" in parts:
         res["moe"] = bench_moe(timer, copy_bw, rng, log, moe)
@@ -1154,8 +1138,6 @@ def run_kernel_bench(out_path=None, log=print, parts=("dense", "moe", "layer", "
         res["tune_halves"] = bench_tune_halves(timer, copy_bw, rng, log, moe)
     if "tune_down" in parts:
         res["tune_down"] = bench_tune_down(timer, copy_bw, rng, log, moe)
-    if "tune_ksplit" in parts:
-        res["tune_ksplit"] = bench_tune_ksplit(timer, copy_bw, rng, log, moe)
     if "scale_moe" in parts:
         res["scale_moe"] = bench_scale_moe(timer, copy_bw, rng, log, moe)
     if "tune_prefill" in parts:

@@ -33,7 +33,7 @@ from numba.cuda import libdevice
 from . import formats as F
 from . import numerics, orders
 from .compat import cuda_available  # noqa: F401  (re-exported)
-from .cuda_intrinsics import (SIMULATOR, bar_sync, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
+from .cuda_intrinsics import (SIMULATOR, bfe, byte_mask, dp2a_hi, dp2a_lo, dp4a, dp4a_us, even_signs, f16_bits_to_f32,
                               forceinline, funnel_r,
                               imad, cp_async16_at, cp_async4_at, cp_async_commit, cp_async_wait1,
                               and_or, iq2_permute, ld_half, ld_pair, ld_quad, lds32, mma_s8,
@@ -2510,164 +2510,6 @@ def _moe_gate_up_halves_kernel(NSB, PRE=True, DEFER=True, REGS=0, REPACKED=False
     return moe_gate_up_halves
 
 
-_GU_KSPLIT = False   # IQ2_XXS gate/up rows of 16 super-blocks: moe_gate_up_ksplit (a warp pair per
-                     # unit, each warp half the row) instead of moe_gate_up_halves (experiment)
-_NW_KSPLIT = 8       # its warps per block (pairs: NW / 2)
-
-
-def _moe_gate_up_ksplit_kernel(REGS=0):
-    """IQ2_XXS gate/up decode for rows of 16 super-blocks with a warp PAIR per (row, slot) unit:
-    warp 2 p + kh takes super-blocks 8 kh .. 8 kh + 7 of the unit's gate and up rows, lane 4 j + q
-    quarter q (sub-blocks 2 q, 2 q + 1) of super-block 8 kh + j. Against moe_gate_up_halves (a warp
-    per unit, a lane per half super-block): x per lane 16 registers instead of 32, half the unit's
-    dependent work per warp, twice the warps (the halves kernel runs 23 warps per SM at 76
-    registers and issues on ~43 % of cycles: latency-bound, session 42's ncu).
-
-    The same bits: each super-block's integer sum is exact in any order (two shuffles join its
-    four quarters), and the f32 order is moe_gate_up_decode's: chain c = 0..3 is
-    fma(t[c + 12], b, fma(t[c + 8], b, fma(t[c + 4], b, fma(t[c], b, 0)))) over super-blocks c,
-    c + 4, c + 8, c + 12, then (c ^ 2), then (c ^ 1). Warp kh = 0 holds c and c + 4 (lanes 4 c ..
-    and 16 + 4 c ..: one shuffle xor 16), hands its 4 partial chains per row to warp kh = 1 through
-    shared memory at a named barrier of the pair (one per unit, two slots: the writer of unit i + 2
-    has passed unit i + 1's barrier, which the reader reaches only after reading unit i), which
-    goes on with c + 8, c + 12 and the butterfly (lane xor 8: c ^ 2, xor 4: c ^ 1) and keeps the
-    deferred SwiGLU of moe_gate_up_halves. Same grid, arguments and tables as moe_gate_up_halves;
-    the block is _NW_KSPLIT warps."""
-    NWD = 6                             # words per row and lane: 5 data words (16 bytes, maybe 2
-    NW2 = 2 * NWD                       # off a word), the f16 d
-    KC = 128
-    KS_N = KC + 4 + 32
-    KS_ALIGN = 0 if SIMULATOR else 512
-    MAX_PAIRS = 8
-    XCH_N = 16 * MAX_PAIRS              # shared array sizes must be plain constants for numba
-
-    @_inline
-    def load_quarter(a16, a32, roff, sb, q, w, o):
-        start = roff + 66 * sb + 2 + 16 * q
-        base = start >> 2
-        for i in range(4):
-            w[o + i] = a32[_ix(base + i)]
-        w[o + 4] = a32[_ix(base + 4)] if start & 2 else uint32(0)
-        w[o + 5] = uint32(a16[_ix((roff >> 1) + 33 * sb)])
-
-    @_jit_capped(REGS)
-    def moe_gate_up_ksplit(a16, a32, slot_off, n_used, xq32, xd, xbs, nsb, route_w, clamp,
-                           n_ff, rb, rpb, mid, grid_g, ks_g):
-        grid_s = cuda.shared.array(256, uint32)
-        if KS_ALIGN:
-            ks_s = cuda.shared.array(KS_N, uint32, alignment=KS_ALIGN)
-        else:
-            ks_s = cuda.shared.array(KS_N, uint32)
-        xch = cuda.shared.array(XCH_N, float32)   # [pair][slot 2][row 2][chain 4]
-        _load_iq2_tables(grid_s, ks_s, grid_g, ks_g)
-        pdl_enter()
-        if cuda.threadIdx.x == 0:
-            ks_s[KC] = uint32(4)
-            for l in range(1, 4):
-                ks_s[KC + l] = uint32(1 << (34 - 7 * l))
-        if cuda.threadIdx.x < 32:
-            ks_s[KC + 4 + cuda.threadIdx.x] = uint32(0x2B190800)
-        cuda.syncthreads()
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        pair = warp >> 1
-        kh = warp & 1
-        q = lane & 3
-        sb = 8 * kh + (lane >> 2)
-        upper = lane >= 16                              # super-blocks c + 4 (c + 12)
-        xw = cuda.local.array(16, int32)
-        for i in range(4):
-            xw[4 * i], xw[4 * i + 1], xw[4 * i + 2], xw[4 * i + 3] = ld_quad(xq32, _ix(64 * sb + 16 * q + 4 * i))
-        xds = xd[sb]
-        pos = ks_s[KC + 4 + lane]
-        shk = cuda.local.array(4, uint32)
-        for l in range(4):
-            shk[l] = ks_s[KC + l]
-        four = shk[0]
-        gbase = shared_addr(grid_s)
-        sbase = shared_addr(ks_s)
-        c32 = float32(clamp)
-        w = cuda.local.array(NW2, uint32)
-        res = cuda.local.array(2, float32)
-        roffs = cuda.local.array(2, int64)
-        shs = cuda.local.array(2, uint32)
-        totals = cuda.local.array(2, int32)
-        terms = cuda.local.array(2, float32)
-        npairs = int32(cuda.blockDim.x >> 6)
-        n_slots = int32(n_used)
-        n_units, r64, k64 = _first_unit(rpb, n_ff, n_used, pair)
-        n_units = int32(n_units)
-        r = int32(r64)
-        k = int32(k64)
-        kept_g = float32(0.0)
-        kept_u = float32(0.0)
-        kept_r = r
-        kept_k = k
-        n_kept = int32(0)
-        lane32 = int32(lane)
-        unit = int32(pair)
-        slot = int32(0)
-        bar_id = int32(1 + pair)
-        xbase = int32(16 * pair)
-        while unit < n_units:                           # uniform over the warp pair
-            for m in range(2):
-                roffs[m] = slot_off[_ix(k * 3 + m)] + r * rb
-                load_quarter(a16, a32, roffs[m], sb, q, w, m * NWD)
-            for m in range(2):
-                shs[m] = uint32(16) if ((roffs[m] >> 1) + sb) & 1 == 0 else uint32(0)
-                totals[m] = int32(0)
-                terms[m] = f16_bits_to_f32(w[m * NWD + 5]) * xds
-            for s in range(2):
-                for m in range(2):
-                    o = m * NWD
-                    aux0 = funnel_r(w[o + 2 * s], w[o + 2 * s + 1], shs[m])
-                    aux1 = funnel_r(w[o + 2 * s + 1], w[o + 2 * s + 2], shs[m])
-                    sumi = int32(0)
-                    for l in range(4):
-                        gsel, ssel = _halves_selectors(aux0, aux1, l, four, shk, gbase, sbase)
-                        w_lo, w_hi = iq2_permute(gsel, ssel, pos)
-                        sumi = dp4a(w_lo, xw[8 * s + 2 * l], sumi)
-                        sumi = dp4a(w_hi, xw[8 * s + 2 * l + 1], sumi)
-                    totals[m] = imad(sumi, imad(aux1 >> uint32(28), 2, 1), totals[m])
-            for m in range(2):
-                isum = totals[m] + cuda.shfl_xor_sync(FULL_MASK, totals[m], 1)
-                isum = isum + cuda.shfl_xor_sync(FULL_MASK, isum, 2)
-                totals[m] = isum
-            if kh == 0:
-                for m in range(2):
-                    first = cuda.fma(terms[m], float32(int32(totals[m])), float32(0.0))
-                    prev = cuda.shfl_xor_sync(FULL_MASK, first, 16)
-                    acc = cuda.fma(terms[m], float32(int32(totals[m])), prev)
-                    if upper and q == 0:
-                        xch[xbase + 8 * slot + 4 * m + ((lane >> 2) & 3)] = acc
-                bar_sync(bar_id, 64)
-            else:
-                bar_sync(bar_id, 64)
-                for m in range(2):
-                    prev = xch[xbase + 8 * slot + 4 * m + ((lane >> 2) & 3)]
-                    acc = cuda.fma(terms[m], float32(int32(totals[m])), prev)
-                    prev = cuda.shfl_xor_sync(FULL_MASK, acc, 16)
-                    acc = cuda.fma(terms[m], float32(int32(totals[m])), prev)
-                    acc += cuda.shfl_xor_sync(FULL_MASK, acc, 8)
-                    acc += cuda.shfl_xor_sync(FULL_MASK, acc, 4)
-                    res[m] = float32(0.125) * acc
-                gate = cuda.shfl_sync(FULL_MASK, res[0], 16)
-                up = cuda.shfl_sync(FULL_MASK, res[1], 16)
-                if lane32 == n_kept:
-                    kept_g, kept_u, kept_r, kept_k = gate, up, r, k
-                n_kept = int32(n_kept + 1)
-                if n_kept == int32(32):
-                    mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
-                    n_kept = int32(0)
-            slot = int32(slot ^ 1)
-            r, k = _next_unit(r, k, npairs, n_slots)
-            unit = int32(unit + npairs)
-        if kh == 1 and lane32 < n_kept:
-            mid[kept_k * n_ff + kept_r] = _swiglu(kept_g, kept_u, c32, route_w[kept_k])
-
-    return moe_gate_up_ksplit
-
-
 def _moe_down_decode_kernel(wtype, NCH, NW, max_regs=0):
     """One warp per output row: it walks the row's (slot, chunk) units in slot order, the next
     unit's weights loading while the current one is computed, and adds the slot results in slot
@@ -4096,14 +3938,6 @@ def moe_gate_up(arena, slot_offsets, gate_type, n_embd, n_ff, xq, xd, route_w, c
     _check_moe_types(gate_type, gate_type)
     n_used = slot_offsets.shape[0]
     a16, a32, _, _ = _arena_views(arena)
-    if _GU_KSPLIT and n_embd == 4096 and gate_up_halves_applies(gate_type, n_embd, xq):
-        rpb = _RPB_GATE_UP
-        kernel = _cached(_moe_gate_up_ksplit_kernel)
-        kernel[(n_ff + rpb - 1) // rpb, _NW_KSPLIT * WARP, _stream(stream), 0](
-            a16, a32, _flat(slot_offsets), n_used, _as_i32(xq), _flat(xd), _dummy_i32(),
-            n_embd // 256, _flat(route_w), np.float32(clamp), n_ff, F.row_bytes(gate_type, n_embd),
-            rpb, _flat(mid), *_iq2_selector_tables_device())
-        return
     if gate_up_halves_applies(gate_type, n_embd, xq):
         NSB, pre = n_embd // 256, _PRE_GATE_UP
         if _IQ2_REPACKED_GATE_UP and F.row_bytes(gate_type, n_embd) % 16:

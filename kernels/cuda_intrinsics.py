@@ -48,9 +48,6 @@ Kept in one small module on purpose: numba-cuda is in maintenance mode and its s
   not one per copy). ``cp_async_commit()`` closes the thread's group of copies,
   ``cp_async_wait1()`` waits until at most the newest group is in flight (the thread's own
   copies only: a block barrier must follow before other threads read them).
-* ``bar_sync(bid, count)``: named barrier bid (1..15; 0 is __syncthreads') of count threads
-  (whole warps, a multiple of 32): PTX bar.sync bid, count. Shared-memory writes before it are
-  seen by the other participants after it. The simulator keeps a threading.Barrier per (block, bid).
 * ``ld_pair(s, i)``: elements i and i + 1 of the 32-bit array s (i even) in one 8-byte load.
 * ``ld_quad(s, i)``: elements i .. i + 3 of the 32-bit array s (i a multiple of 4) in one 16-byte load.
   Both take a flat element index, so s may be a C-contiguous array of any rank.
@@ -290,17 +287,6 @@ if SIMULATOR:  # pragma: no cover - exercised only under the simulator
 
     def cp_async_wait1():
         return None
-
-    import threading as _threading
-    _SIM_BARS = {}
-    _SIM_BARS_LOCK = _threading.Lock()
-
-    def bar_sync(bid, count):
-        t = _threading.current_thread()
-        key = (t.blockIdx.x, t.blockIdx.y, t.blockIdx.z, int(bid), int(count))
-        with _SIM_BARS_LOCK:
-            bar = _SIM_BARS.setdefault(key, _threading.Barrier(int(count)))
-        bar.wait()
 
     def negate_bytes(g, nibble):
         g = int(g) & 0xFFFFFFFF
@@ -590,19 +576,6 @@ else:
 
     cp_async_commit = _asm_stmt("cp.async.commit_group;")
     cp_async_wait1 = _asm_stmt("cp.async.wait_group 1;")
-
-    @intrinsic
-    def bar_sync(typingctx, bid, count):
-        if not (isinstance(bid, types.Integer) and isinstance(count, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            vals = [_i32(context, builder, v, t) for v, t in zip(args, signature.args)]
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)] * 2)
-            builder.call(ir.InlineAsm(fnty, "bar.sync $0, $1;", "r,r,~{memory}", side_effect=True), vals)
-            return context.get_dummy_value()
-
-        return types.void(bid, count), codegen
 
     @intrinsic
     def negate_bytes(typingctx, g, nibble):

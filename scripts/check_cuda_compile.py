@@ -116,8 +116,6 @@ quant = {
  "moe_gate_up_halves IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_halves_kernel(16), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (16 super-blocks, SwiGLU per unit)": (lambda: qk._moe_gate_up_halves_kernel(16, True, False), moe_dec[:-2] + (u32a, u32a)),
  "moe_gate_up_halves IQ2_XXS (5 super-blocks, tables after pdl_enter)": (lambda: qk._moe_gate_up_halves_kernel(5, False), moe_dec[:-2] + (u32a, u32a)),
- # _GU_KSPLIT: a warp pair per (row, slot) unit, each warp half the row
- "moe_gate_up_ksplit IQ2_XXS (16 super-blocks)": (lambda: qk._moe_gate_up_ksplit_kernel(), moe_dec[:-2] + (u32a, u32a)),
  "q8_0_rows (decode)": (lambda: qk._q8_0_kernel(1, 1), q8_rows),
  "q8_0_rows (decode, split-K 4)": (lambda: qk._q8_0_kernel(4, 1), q8_rows),
  # scales_last: the rows in q8_0_relayout's layout (what the GPU sources keep), through the uint32 view

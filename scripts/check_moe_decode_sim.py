@@ -356,25 +356,6 @@ def halves_checks():
     return bad
 
 
-def ksplit_checks():
-    """moe_gate_up_ksplit (_GU_KSPLIT: a warp pair per unit) against moe_gate_up_decode at K 4096:
-    2 pairs a block over 3 rows x 2 slots, and one pair through 40 units (a full deferred-SwiGLU
-    pass of 32, then 8; the exchange slots reused 20 times)."""
-    bad = 0
-    for n_ff, rpb, nw in ((3, 2, 4), (20, 20, 2)):
-        _knobs(_GU_HALVES=False, _GU_KSPLIT=False, _CONST_STEPS_GATE_UP=True, _NCH_GATE_UP=0,
-               _RPB_GATE_UP=rpb, _NW_GATE_UP=2, _X_REGS_GATE_UP=True, _IQ2_PERM_GATE_UP=True,
-               _PRE_GATE_UP=True)
-        ref = gate_up(4096, n_ff, 2, 11)
-        _knobs(_GU_HALVES=True, _GU_KSPLIT=True, _NW_KSPLIT=nw)
-        ok = all(np.array_equal(a, b) for a, b in zip(gate_up(4096, n_ff, 2, 11), ref))
-        bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} gate/up k-split = gate/up decode: K 4096, {n_ff} rows, "
-              f"{nw // 2} pairs a block", flush=True)
-    _knobs(_GU_HALVES=False, _GU_KSPLIT=False)
-    return bad
-
-
 def down_sb_checks():
     bad = 0
     # moe_down_sb (_DOWN_SB): 8 super-blocks (2048, the flash rows: cp.async path), 4 (1024),
@@ -409,8 +390,7 @@ def main():
     bad = 0
     only = sys.argv[1] if len(sys.argv) > 1 else ""      # "perm" / "q8" / "down" / "halves" / "twins": those only
     # groups run on their own (twins: its exact fma stays patched in)
-    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks,
-              "ksplit": ksplit_checks}
+    groups = {"twins": twins_checks, "down": down_sb_checks, "halves": halves_checks}
     if only not in ("", "perm", "q8", *groups):
         print(f"unknown group {only!r}: name one of perm, q8, {', '.join(groups)}, or none for all")
         return 2

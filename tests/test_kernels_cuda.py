@@ -438,16 +438,6 @@ def test_moe_gate_up_halves_deferred_swiglu_same_bits(experts, moe_knobs, defer)
                                       _RPB_GATE_UP=4, _NW_GATE_UP=6)
 
 
-@pytest.mark.parametrize("rpb,nw", [(4, 8), (2, 4), (8, 16), (20, 2)])
-def test_moe_gate_up_ksplit_same_bits(experts, moe_knobs, rpb, nw):
-    """moe_gate_up_ksplit (_GU_KSPLIT: a warp pair per unit, each warp half the row, the partial
-    f32 chains handed over in shared memory at a named barrier) against the first gate/up kernel on
-    the flash rows: the same integers and f32 order, so mid and the MoE output are the same bits
-    (1 to 8 pairs a block; 20 x 6 units for one pair: deferred-SwiGLU flushes, slots reused)."""
-    _assert_moe_decode_bits_unchanged(experts, moe_knobs, 41, _GU_HALVES=True, _GU_KSPLIT=True,
-                                      _RPB_GATE_UP=rpb, _NW_KSPLIT=nw)
-
-
 @pytest.mark.parametrize("extra", [0, 2])
 def test_moe_gate_up_halves_deferred_flushes(moe_knobs, extra):
     """The deferred SwiGLU over more than 32 units a warp (one warp per block, 40 rows of 2 slots:
